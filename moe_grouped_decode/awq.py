@@ -170,20 +170,23 @@ def slice_tp(full: AwqMoeWeights, rank: int, world_size: int) -> AwqMoeWeights:
 def _random_packed(generator: torch.Generator, shape) -> torch.Tensor:
     """Uniform random int4 nibbles, packed: random bytes reinterpreted as int32."""
     *lead, packed_cols = shape
-    raw = torch.randint(0, 256, (*lead, packed_cols * 4), dtype=torch.uint8, generator=generator)
+    raw = torch.randint(
+        0, 256, (*lead, packed_cols * 4), dtype=torch.uint8, generator=generator, device=generator.device
+    )
     return raw.view(torch.int32)
 
 
 def _random_zeros(generator: torch.Generator, shape) -> torch.Tensor:
     # Real AWQ zero points cluster mid-range; 5..10 keeps (q - z) roughly centred.
-    return pack_int4(torch.randint(5, 11, shape, generator=generator))
+    return pack_int4(torch.randint(5, 11, shape, generator=generator, device=generator.device))
 
 
 def _random_scales(generator: torch.Generator, shape, rows: int, dtype: torch.dtype) -> torch.Tensor:
     # uniform int4 has std ~4.6; this base gives each GEMM output ~unit variance for
     # unit-variance inputs, and the log-normal spread mimics per-group variation.
     base = 1.0 / (4.6 * rows**0.5)
-    return (base * torch.exp(0.25 * torch.randn(shape, generator=generator))).to(dtype)
+    noise = torch.randn(shape, generator=generator, device=generator.device)
+    return (base * torch.exp(0.25 * noise)).to(dtype)
 
 
 def synthetic_moe_weights(
@@ -193,17 +196,19 @@ def synthetic_moe_weights(
     group_size: int,
     dtype: torch.dtype = torch.float16,
     seed: int = 0,
+    device="cpu",
 ) -> AwqMoeWeights:
-    """A deterministic random AWQ MoE layer (CPU tensors) for any shape.
+    """A deterministic random AWQ MoE layer for any shape.
 
     ``intermediate_size`` is the layer's own N (a full checkpoint's, or a shard's).
-    The same seed gives the same bits on every machine.
+    On the CPU the same seed gives the same bits on every machine; ``device``
+    generates in place (fast for benchmarks), deterministic per device type.
     """
     E, K, N, G = num_experts, hidden_size, intermediate_size, group_size
     for what, size in (("hidden_size", K), ("intermediate_size", N)):
         if size % G or size % PACK_FACTOR:
             raise ValueError(f"{what}={size} must be a multiple of group_size={G} and of 8")
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     return AwqMoeWeights(
         w13_qweight=_random_packed(gen, (E, K, 2 * N // 8)),
         w13_scales=_random_scales(gen, (E, K // G, 2 * N), K, dtype),
@@ -215,10 +220,10 @@ def synthetic_moe_weights(
     )
 
 
-def synthetic_for_contract(contract, dtype: torch.dtype = torch.float16, seed: int = 0) -> AwqMoeWeights:
+def synthetic_for_contract(contract, dtype: torch.dtype = torch.float16, seed: int = 0, device="cpu") -> AwqMoeWeights:
     """A synthetic layer with a contract's (per-rank) shapes."""
     return synthetic_moe_weights(
-        contract.num_experts, contract.hidden_size, contract.intermediate_size, contract.group_size, dtype, seed
+        contract.num_experts, contract.hidden_size, contract.intermediate_size, contract.group_size, dtype, seed, device
     )
 
 

@@ -4,6 +4,7 @@ Importing this package registers ``torch.ops.moe_grouped_decode.awq_moe_dense``
 and ``torch.ops.moe_grouped_decode.awq_moe_grouped_decode``.
 """
 
+from . import cuda  # noqa: F401  (registers the CUDA implementations)
 from .awq_moe import awq_moe_dense, awq_moe_grouped_decode, check_moe_args
 from .reference import ErrorStats, Segments, error_stats, reference_moe, reference_segments
 from .workspace import WorkspaceLayout, alloc_workspace, workspace_numel, workspace_views

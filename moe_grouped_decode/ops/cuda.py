@@ -1,0 +1,1 @@
+"""CUDA implementations of the ops, launching the Triton kernels in ``..kernels``."""
