@@ -1,0 +1,40 @@
+"""Environment switches are parsed in one place, strictly."""
+
+import pytest
+
+from moe_grouped_decode.env import GROUPED_DECODE_ENV, TUNE_ENV, GroupedDecodeMode, grouped_decode_mode, tune_enabled
+
+
+@pytest.mark.parametrize(
+    "value,mode",
+    [
+        (None, GroupedDecodeMode.AUTO),  # unset: on where possible
+        ("", GroupedDecodeMode.AUTO),  # empty counts as unset (shell `VAR= cmd`)
+        ("1", GroupedDecodeMode.REQUIRED),  # explicit on: fail closed
+        ("true", GroupedDecodeMode.REQUIRED),
+        ("0", GroupedDecodeMode.OFF),  # rollback
+        (" off ", GroupedDecodeMode.OFF),
+    ],
+)
+def test_grouped_decode_mode(monkeypatch, value, mode):
+    if value is None:
+        monkeypatch.delenv(GROUPED_DECODE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(GROUPED_DECODE_ENV, value)
+    assert grouped_decode_mode() is mode
+    assert mode.enabled is (mode is not GroupedDecodeMode.OFF)
+
+
+def test_unknown_value_is_an_error_not_a_guess(monkeypatch):
+    monkeypatch.setenv(GROUPED_DECODE_ENV, "2")
+    with pytest.raises(ValueError, match=GROUPED_DECODE_ENV):
+        grouped_decode_mode()
+
+
+@pytest.mark.parametrize("value,enabled", [(None, False), ("0", False), ("1", True)])
+def test_tune_default_off(monkeypatch, value, enabled):
+    if value is None:
+        monkeypatch.delenv(TUNE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TUNE_ENV, value)
+    assert tune_enabled() is enabled
