@@ -261,3 +261,28 @@ def to_hub_expert_tensors(weights: AwqMoeWeights, prefix: str) -> Dict[str, torc
             out[f"{base}.qzeros"] = qzeros.contiguous()
     return out
 
+
+
+def regroup(weights: AwqMoeWeights, group_size: int) -> AwqMoeWeights:
+    """The same layer at a smaller effective group size (e.g. a g128 checkpoint as g32).
+
+    Each scale/zero group is repeated ``weights.group_size // group_size`` times
+    along the rows, so dequantized values are unchanged; only the (small) scale and
+    zero tensors grow. Lets a g128 checkpoint take a g32 contract's kernels.
+    """
+    if group_size <= 0 or weights.group_size % group_size:
+        raise ValueError(f"group_size={group_size} must divide the checkpoint's group size {weights.group_size}")
+    factor = weights.group_size // group_size
+
+    def repeat(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(factor, dim=-2).contiguous()
+
+    return AwqMoeWeights(
+        w13_qweight=weights.w13_qweight,
+        w13_scales=repeat(weights.w13_scales),
+        w13_qzeros=repeat(weights.w13_qzeros),
+        w2_qweight=weights.w2_qweight,
+        w2_scales=repeat(weights.w2_scales),
+        w2_qzeros=repeat(weights.w2_qzeros),
+        group_size=group_size,
+    )

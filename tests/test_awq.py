@@ -8,6 +8,7 @@ from moe_grouped_decode.awq import (
     dequantize,
     pack_int4,
     quantize,
+    regroup,
     slice_tp,
     synthetic_moe_weights,
     to_hub_expert_tensors,
@@ -164,3 +165,14 @@ def test_hub_tensors_split_gate_up_down():
     )
     assert torch.equal(hub["model.layers.0.mlp.experts.1.down_proj.qzeros"], w.w2_qzeros[1])
     assert hub["model.layers.0.mlp.experts.0.down_proj.scales"].shape == (1, 64)
+
+
+def test_regroup_g128_as_g32_keeps_every_weight():
+    g128 = synthetic_moe_weights(2, 256, 128, 128, seed=13)
+    g32 = regroup(g128, 32)
+    assert g32.group_size == 32 and g32.w13_scales.shape == (2, 8, 256) and g32.w2_qzeros.shape == (2, 4, 32)
+    for expert in range(2):
+        for a, b in zip(g128.dequantized_expert(expert), g32.dequantized_expert(expert)):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="must divide"):
+        regroup(g128, 48)
