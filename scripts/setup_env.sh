@@ -10,7 +10,6 @@ python="${PYTHON:-python3}"
 
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip)
-"${pip[@]}" install -q --upgrade pip
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "[setup] CUDA machine: installing vllm"
