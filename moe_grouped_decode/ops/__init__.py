@@ -1,17 +1,19 @@
 """torch.library custom ops (schemas, fake kernels, CPU implementations), references, workspace.
 
-Importing this package registers ``torch.ops.moe_grouped_decode.awq_moe_dense``
-and ``torch.ops.moe_grouped_decode.awq_moe_grouped_decode``.
+Importing this package registers ``torch.ops.moe_grouped_decode.awq_moe_dense``,
+``.awq_moe_grouped_decode`` and ``.awq_moe_routed`` (route chosen from M at run time).
 """
 
 from . import cuda  # noqa: F401  (registers the CUDA implementations)
 from .awq_moe import awq_moe_dense, awq_moe_grouped_decode, check_moe_args
+from .routed import awq_moe_routed
 from .reference import ErrorStats, Segments, error_stats, reference_moe, reference_segments
 from .workspace import WorkspaceLayout, alloc_workspace, workspace_numel, workspace_views
 
 __all__ = [
     "awq_moe_dense",
     "awq_moe_grouped_decode",
+    "awq_moe_routed",
     "check_moe_args",
     "alloc_workspace",
     "workspace_numel",
