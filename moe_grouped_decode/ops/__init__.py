@@ -4,7 +4,7 @@ Importing this package registers ``torch.ops.moe_grouped_decode.awq_moe_dense``,
 ``.awq_moe_grouped_decode`` and ``.awq_moe_routed`` (route chosen from M at run time).
 """
 
-from . import cuda  # noqa: F401  (registers the CUDA implementations)
+from .cuda import launch_grouped, warmup  # registers the CUDA implementations
 from .awq_moe import awq_moe_dense, awq_moe_grouped_decode, check_moe_args
 from .routed import awq_moe_routed
 from .reference import ErrorStats, Segments, error_stats, reference_moe, reference_segments
@@ -15,6 +15,8 @@ __all__ = [
     "awq_moe_grouped_decode",
     "awq_moe_routed",
     "check_moe_args",
+    "launch_grouped",
+    "warmup",
     "alloc_workspace",
     "workspace_numel",
     "workspace_views",

@@ -1,0 +1,310 @@
+"""``python -m moe_grouped_decode bench``: per-layer microseconds under CUDA-graph replay.
+
+One CUDA graph per (column, M) runs ``--layers`` MoE layers with distinct
+weights (and their own random routing and activations) back to back, so the
+60 MB L2 of an H200 stays cold as in a real model step; the time per layer is
+the graph's replay time over the layer count (median of ``--reps`` replays).
+
+Columns, measured in the same run:
+  grouped      the grouped op (compaction, W13, SiLU, W2, combine)
+  dense        the dense route (align over all E experts + tensor-core GEMMs + combine)
+  floor2       the read floor, two dependent launches: compaction + a kernel streaming
+               exactly the active experts' bytes
+  floor1       the read floor, one launch: the same stream from an active list made ahead
+  vllm         vLLM's fused_experts int4 path, when vllm is importable
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+
+from .awq import synthetic_moe_weights
+from .contract import QWEN38_TP4
+
+BYTES_PER_EXPERT_NOTE = "packed int4 + scales + zeros of W13 and W2"
+
+
+def _expert_bytes(weights) -> int:
+    return sum(t[0].numel() * t.element_size() for t in weights.tensors())
+
+
+def _random_routing(M: int, top_k: int, E: int, gen: torch.Generator):
+    ids = torch.rand(M, E, generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
+    tw = torch.rand(M, top_k, generator=gen)
+    return ids, tw / tw.sum(1, keepdim=True)
+
+
+def _time_graph(step: Callable[[int], None], layers: int, reps: int) -> float:
+    """Median microseconds per layer of a graph running ``step(l)`` for every layer."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for layer in range(layers):  # compile and allocate outside the capture
+            step(layer)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for layer in range(layers):
+                step(layer)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / layers)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def _vllm_status() -> str:
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # any import failure means the column is not measurable here
+        return f"not importable here ({type(exc).__name__}); vllm column not measured"
+    return "importable, but its fused_experts int4 column is not wired yet (needs its own weight layout)"
+
+
+def run(args) -> Dict:
+    from .kernels import grouped as grouped_kernels
+    from .kernels.read_floor import floor_blocks, read_active_experts
+    from .ops import alloc_workspace, workspace_views
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    c = QWEN38_TP4
+    E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
+    device = torch.device("cuda")
+    t0 = time.time()
+    print(f"[bench] generating {args.layers} layers of {c.name} weights on the GPU ...", flush=True)
+    layers = [synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=1000 + i, device=device) for i in range(args.layers)]
+    per_expert = _expert_bytes(layers[0])
+    vllm_note = _vllm_status()
+    grouped_tokens = [int(m) for m in args.tokens.split(",") if m]
+    dense_only = [int(m) for m in args.dense_tokens.split(",") if m]
+    max_grouped = max(grouped_tokens)
+    workspace = alloc_workspace(max_grouped, k, K, N, device)
+    gen = torch.Generator().manual_seed(0)
+    rows: List[Dict] = []
+    for M in grouped_tokens + dense_only:
+        with_grouped = M in grouped_tokens
+        routings = [_random_routing(M, k, E, gen) for _ in range(args.layers)]
+        ids = [r[0].to(device) for r in routings]
+        tws = [r[1].to(device) for r in routings]
+        xs = [torch.randn(M, K, generator=gen).to(dtype).to(device) for _ in range(args.layers)]
+        actives = [torch.unique(r[0]).to(torch.int32) for r in routings]
+        mean_active = sum(a.numel() for a in actives) / len(actives)
+        active_lists = [a.to(device) for a in actives]
+        live_counts = [torch.tensor([a.numel()], dtype=torch.int32, device=device) for a in actives]
+        max_active = min(M * k, E)
+        sink = torch.empty(max_active * floor_blocks(layers[0].tensors()), dtype=torch.int32, device=device)
+        row = {"M": M, "active_experts": mean_active, "active_MB": mean_active * per_expert / 1e6}
+
+        def floor1(layer):
+            read_active_experts(active_lists[layer], live_counts[layer], sink, max_active, layers[layer].tensors())
+
+        columns = {"floor1": floor1}
+        if with_grouped:
+            views = workspace_views(workspace, M * k, K, N)
+
+            def grouped(layer):
+                torch.ops.moe_grouped_decode.awq_moe_grouped_decode(
+                    xs[layer], tws[layer], ids[layer], *layers[layer].op_args(), workspace)
+
+            def floor2(layer):
+                grouped_kernels.compact(ids[layer], views.sorted_rows, views.segment_opens, views.active_experts,
+                                        views.segment_offsets, views.live_count)
+                read_active_experts(views.active_experts, views.live_count, sink, max_active, layers[layer].tensors())
+
+            columns = {"grouped": grouped, "floor2": floor2, "floor1": floor1}
+
+        def dense(layer):
+            torch.ops.moe_grouped_decode.awq_moe_dense(xs[layer], tws[layer], ids[layer], *layers[layer].op_args())
+
+        columns["dense"] = dense
+        for name, step in columns.items():
+            row[f"{name}_us"] = _time_graph(step, args.layers, args.reps)
+            print(f"[bench] M={M:<5} {name:<8} {row[f'{name}_us']:8.2f} us/layer  ({time.time() - t0:.0f}s)", flush=True)
+        bytes_read = mean_active * per_expert
+        for name in ("grouped", "dense", "floor2", "floor1"):
+            if f"{name}_us" in row:
+                row[f"{name}_TBps"] = bytes_read / (row[f"{name}_us"] * 1e-6) / 1e12
+        if with_grouped:
+            row["grouped_over_floor2"] = row["grouped_us"] / row["floor2_us"]
+            row["grouped_over_floor1"] = row["grouped_us"] / row["floor1_us"]
+            row["dense_over_grouped"] = row["dense_us"] / row["grouped_us"]
+        row["dense_over_floor1"] = row["dense_us"] / row["floor1_us"]
+        row["vllm_us"] = None
+        rows.append(row)
+        del xs, ids, tws
+    sweep = _sweep(args, layers, workspace, gen) if args.sweep else []
+    breakdown = _breakdown(args, layers, workspace, gen) if args.breakdown else []
+    return {
+        "sweep": sweep,
+        "breakdown": breakdown,
+        "contract": c.name,
+        "dtype": args.dtype,
+        "layers_rotated": args.layers,
+        "bytes_per_expert": per_expert,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "python": platform.python_version(),
+        "vllm": vllm_note,
+        "rows": rows,
+        "seconds": time.time() - t0,
+    }
+
+
+def _sweep(args, layers, workspace, gen) -> List[Dict]:
+    """Time every autotune candidate config of the grouped op (L2 cold, same method)."""
+    from .kernels import configs
+    from .ops.cuda import launch_grouped
+
+    c = QWEN38_TP4
+    device = torch.device("cuda")
+    results = []
+    for M in [int(m) for m in args.sweep.split(",")]:
+        routings = [_random_routing(M, c.top_k, c.num_experts, gen) for _ in range(args.layers)]
+        ids = [r[0].to(device) for r in routings]
+        tws = [r[1].to(device) for r in routings]
+        xs = [torch.randn(M, c.hidden_size, generator=gen).to(layers[0].dtype).to(device) for _ in range(args.layers)]
+        out = torch.empty_like(xs[0])
+        timed = []
+        for candidate in configs.grouped_candidates():
+            config = candidate.fitted(c.group_size)
+
+            def step(layer, config=config):
+                launch_grouped(xs[layer], tws[layer], ids[layer], *layers[layer].op_args(), workspace, out, config)
+
+            us = _time_graph(step, args.layers, args.reps)
+            timed.append((us, config))
+            results.append({"M": M, "us": us, **config.__dict__})
+        timed.sort(key=lambda t: t[0])
+        for us, config in timed[:4]:
+            print(f"[sweep] M={M} {us:7.2f} us  {config}", flush=True)
+    return results
+
+
+def _breakdown(args, layers, workspace, gen) -> List[Dict]:
+    """Each grouped stage alone (non-fused config, so the stages separate), same method.
+
+    Stages after the compaction reuse whatever metadata the last layer left in the
+    workspace: the timing is right, the numbers are not."""
+    import dataclasses
+
+    from .kernels import configs, grouped as grouped_kernels
+    from .ops import workspace_views
+
+    c = QWEN38_TP4
+    device = torch.device("cuda")
+    shape = (c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size)
+    results = []
+    for M in [int(m) for m in args.breakdown.split(",")]:
+        config = dataclasses.replace(configs.grouped_config(shape, args.dtype, M), fuse_compaction=False)
+        routings = [_random_routing(M, c.top_k, c.num_experts, gen) for _ in range(args.layers)]
+        ids = [r[0].to(device) for r in routings]
+        tws = [r[1].to(device) for r in routings]
+        xs = [torch.randn(M, c.hidden_size, generator=gen).to(layers[0].dtype).to(device) for _ in range(args.layers)]
+        out = torch.empty_like(xs[0])
+        views = workspace_views(workspace, M * c.top_k, c.hidden_size, c.intermediate_size)
+        row = {"M": M, "config": dataclasses.asdict(config)}
+        for stages in (grouped_kernels.STAGES, ("compact",), ("w13",), ("w2",), ("combine",)):
+            def step(layer, stages=stages):
+                grouped_kernels.grouped_decode(
+                    xs[layer], tws[layer], ids[layer], *layers[layer].op_args(), views.sorted_rows, views.segment_opens,
+                    views.active_experts, views.segment_offsets, views.live_count, views.gate_up_partials,
+                    views.row_outputs, out, config, stages=stages)
+
+            name = "+".join(stages)
+            row[name] = _time_graph(step, args.layers, args.reps)
+            print(f"[breakdown] M={M} {name:<24} {row[name]:8.2f} us/layer", flush=True)
+        results.append(row)
+    return results
+
+
+def _fmt(value, spec):
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def markdown(result: Dict) -> str:
+    lines = [
+        f"{result['contract']} {result['dtype']}, {result['gpu']}, torch {result['torch']}, triton {result['triton']}, "
+        f"{result['layers_rotated']} layers rotated in one CUDA graph; us per layer (median); vLLM: {result['vllm']}",
+        "",
+        "| M | active experts | MB read | grouped | dense | floor2 | floor1 | grouped/floor2 | grouped/floor1 | dense/grouped | grouped TB/s | floor2 TB/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        g = r.get
+        lines.append(
+            f"| {r['M']} | {r['active_experts']:.1f} | {r['active_MB']:.1f} | {_fmt(g('grouped_us'), '.2f')} | "
+            f"{_fmt(g('dense_us'), '.2f')} | {_fmt(g('floor2_us'), '.2f')} | {_fmt(g('floor1_us'), '.2f')} | "
+            f"{_fmt(g('grouped_over_floor2'), '.2f')} | {_fmt(g('grouped_over_floor1'), '.2f')} | "
+            f"{_fmt(g('dense_over_grouped'), '.2f')} | {_fmt(g('grouped_TBps'), '.2f')} | {_fmt(g('floor2_TBps'), '.2f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: Dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in ("grouped", "dense", "floor2", "floor1"):
+        pts = [(r["M"], r[f"{name}_us"]) for r in result["rows"] if r.get(f"{name}_us") is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens M")
+    ax.set_ylabel("us per MoE layer (CUDA-graph replay, L2 cold)")
+    ax.set_title(f"{result['contract']} {result['dtype']} on {result['gpu']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_grouped_decode bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="1,2,4,8,16,32", help="token counts for every column")
+    parser.add_argument("--dense-tokens", default="256,1024", help="extra token counts for the dense route and floor only")
+    parser.add_argument("--layers", type=int, default=32, help="layers of distinct weights rotated in one graph (>= 32 keeps L2 cold)")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    parser.add_argument("--out", default="artifacts/bench", help="output directory (JSON, Markdown, PNG)")
+    parser.add_argument("--breakdown", default="", help="token counts at which to time each grouped stage alone (e.g. 2,8)")
+    parser.add_argument("--sweep", default="", help="token counts at which to time every autotune candidate (e.g. 2,4,8)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench: needs a CUDA GPU (none visible)", file=sys.stderr)
+        return 2
+    import moe_grouped_decode.ops  # noqa: F401  (registers the ops)
+
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    table = markdown(result)
+    (out / "bench.md").write_text(table)
+    plot(result, out / "bench.png")
+    print(table)
+    print(f"[bench] wrote {out}/bench.json, bench.md, bench.png in {result['seconds']:.0f}s", flush=True)
+    return 0

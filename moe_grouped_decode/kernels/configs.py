@@ -1,0 +1,175 @@
+"""Launch configurations: defaults per shape, the qwen3.8-tp4 table, and the autotune cache.
+
+A config only changes tiling, never results across runs: the grouped op's
+per-row arithmetic depends on ``split_k``, ``w13_block_k`` and ``w2_block_n``
+(summation order), so one shape and token count always use one config, and the
+position-independence of a token's bits holds within it.
+
+Tuned configs (``VLLM_AWQ_MOE_GROUPED_DECODE_TUNE=1``, searched at warmup by
+``ops.cuda.warmup``) are cached as JSON under ``~/.cache/moe_grouped_decode``
+(or ``$MOE_GROUPED_DECODE_CACHE``), one file per GPU name and Triton version,
+keyed by shape and token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    split_k: int = 8  # W13: programs per segment along K (partials summed in order by the W2 kernel)
+    w13_block_k: int = 32  # W13: K rows per step; must divide G (one scale row per step)
+    w13_block_n: int = 64  # W13: output columns per program (of 2N)
+    w13_rows: int = 1  # W13: segment rows per pass over the weight tile
+    w13_warps: int = 4
+    w2_block_k: int = 256  # W2: output columns per program (of K)
+    w2_block_n: int = 32  # W2: intermediate rows per step; must divide G
+    w2_warps: int = 4
+    fuse_compaction: bool = True  # recompute the compaction inside every W13 program (2 launches)
+
+    def fitted(self, group_size: int) -> "GroupedConfig":
+        """Shrink the K-steps to divide the group size (one scale/zero row per step)."""
+        return dataclasses.replace(
+            self,
+            w13_block_k=math.gcd(self.w13_block_k, group_size),
+            w2_block_n=math.gcd(self.w2_block_n, group_size),
+        )
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    block_m: int = 64  # rows per padded expert block
+    w13_block_n: int = 64  # gate (and up) columns per program
+    block_k: int = 32  # K per tl.dot; must divide G
+    w2_block_k: int = 64  # W2 output columns per program
+    w2_block_n: int = 32  # intermediate rows per tl.dot; must divide G
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def fitted(self, group_size: int) -> "DenseConfig":
+        return dataclasses.replace(
+            self,
+            block_k=max(16, math.gcd(self.block_k, group_size)),
+            w2_block_n=max(16, math.gcd(self.w2_block_n, group_size)),
+        )
+
+
+# Largest split_k the workspace's partials region holds (ops/workspace.py sizes it).
+MAX_SPLIT_K = 16
+
+# (E, k, K, N, G) of the qwen3.8-tp4 contract.
+QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
+
+# Sweep winners on H200, fp16 (docs/PERF.md, `bench --sweep 2,4,8`); keyed by token count M.
+_QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
+    2: GroupedConfig(split_k=8, w13_block_n=128, w2_block_k=256, fuse_compaction=True),
+    4: GroupedConfig(split_k=16, w13_block_n=128, w2_block_k=512, fuse_compaction=False),
+    8: GroupedConfig(split_k=16, w13_block_n=128, w2_block_k=256, fuse_compaction=False),
+}
+
+# The fused compaction recomputes an O(R^2) rank in every W13 program; the kernel
+# supports R <= 128, and the sweep measured it ahead of a separate launch only up to R ~ 20.
+FUSED_COMPACTION_MAX_ROWS = 128
+FUSED_COMPACTION_DEFAULT_MAX_ROWS = 32
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MOE_GROUPED_DECODE_CACHE", Path.home() / ".cache" / "moe_grouped_decode"))
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+def cache_path(gpu_name: str, triton_version: str) -> Path:
+    return _cache_dir() / f"grouped_{_safe(gpu_name)}_triton{_safe(triton_version)}.json"
+
+
+def shape_key(shape: Tuple[int, int, int, int, int], dtype_name: str, num_tokens: int) -> str:
+    E, k, K, N, G = shape
+    return f"E{E}_k{k}_K{K}_N{N}_G{G}_{dtype_name}_M{num_tokens}"
+
+
+_tuned: Dict[str, GroupedConfig] = {}
+_loaded_files: set = set()
+
+
+def load_tuned(path: Path) -> None:
+    """Read a tuning cache file into memory (missing or corrupt files are ignored)."""
+    if path in _loaded_files:
+        return
+    _loaded_files.add(path)
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    for key, fields in entries.items():
+        try:
+            _tuned[key] = GroupedConfig(**fields)
+        except TypeError:
+            continue  # written by another version of this file
+
+
+def store_tuned(path: Path, key: str, config: GroupedConfig) -> None:
+    _tuned[key] = config
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = dataclasses.asdict(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def grouped_config(shape: Tuple[int, int, int, int, int], dtype_name: str, num_tokens: int) -> GroupedConfig:
+    """The launch config for one shape and token count: tuned, then table, then default."""
+    tuned = _tuned.get(shape_key(shape, dtype_name, num_tokens))
+    if tuned is not None:
+        config = tuned
+    elif shape == QWEN38_TP4_SHAPE and num_tokens in _QWEN38_TP4_GROUPED:
+        config = _QWEN38_TP4_GROUPED[num_tokens]
+    else:
+        rows = num_tokens * shape[1]
+        config = GroupedConfig(split_k=16, w13_block_n=128, fuse_compaction=rows <= FUSED_COMPACTION_DEFAULT_MAX_ROWS)
+    rows = num_tokens * shape[1]
+    if rows > FUSED_COMPACTION_MAX_ROWS and config.fuse_compaction:
+        config = dataclasses.replace(config, fuse_compaction=False)
+    return config.fitted(shape[4])
+
+
+def dense_config(shape: Tuple[int, int, int, int, int], num_tokens: int) -> DenseConfig:
+    """Padded expert blocks sized to the expected rows per active expert."""
+    E, k = shape[0], shape[1]
+    rows_per_expert = num_tokens * k / E
+    if rows_per_expert <= 16:
+        config = DenseConfig(block_m=16, w13_block_n=64, w2_block_k=128, num_warps=4)
+    elif rows_per_expert <= 48:
+        config = DenseConfig(block_m=32, w13_block_n=64, w2_block_k=128, num_warps=4)
+    else:
+        config = DenseConfig(block_m=64, w13_block_n=64, w2_block_k=128, num_warps=8)
+    return config.fitted(shape[4])
+
+
+def grouped_candidates() -> Tuple[GroupedConfig, ...]:
+    """The small search space of the opt-in autotune."""
+    out = []
+    for split_k in (4, 8, 16):
+        for w13_block_n in (64, 128):
+            for w2_block_k in (128, 256, 512):
+                for fuse in (True, False):
+                    out.append(GroupedConfig(split_k=split_k, w13_block_n=w13_block_n, w2_block_k=w2_block_k, fuse_compaction=fuse))
+    return tuple(out)
+
+
+def tuned_config(shape, dtype_name: str, num_tokens: int) -> Optional[GroupedConfig]:
+    return _tuned.get(shape_key(shape, dtype_name, num_tokens))

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The one device script: GPU tests, benchmark (+ optional config sweep), single-GPU TP4 check.
+# Installs nothing. Writes logs/JSON/Markdown/PNG under $OUT (default artifacts/gpu_check)
+# and prints a short table last.
+#   scripts/gpu_check.sh [--sweep 2,4,8] [--breakdown 2,8] [--skip-tests]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-artifacts/gpu_check}
+mkdir -p "$OUT"
+SWEEP=""; BREAKDOWN=""; TESTS=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --sweep) SWEEP="$2"; shift 2 ;;
+    --breakdown) BREAKDOWN="$2"; shift 2 ;;
+    --skip-tests) TESTS=0; shift ;;
+    *) echo "unknown argument $1"; exit 2 ;;
+  esac
+done
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+status=0
+if [ "$TESTS" = 1 ]; then
+  MOE_GD_STATS="$OUT/cuda_stats.json" timeout 300 python3 -m pytest -q -rs --maxfail=8 -p no:cacheprovider tests/test_cuda_ops.py || status=1
+fi
+timeout 220 python3 -m moe_grouped_decode bench --out "$OUT" ${SWEEP:+--sweep "$SWEEP"} ${BREAKDOWN:+--breakdown "$BREAKDOWN"} || status=1
+# the opt-in autotune path, end to end, for one token count (cache in a scratch dir)
+MOE_GROUPED_DECODE_CACHE=/tmp/moe_gd_tune VLLM_AWQ_MOE_GROUPED_DECODE_TUNE=1 timeout 90 python3 - <<'PY' || status=1
+import glob, time, torch
+from moe_grouped_decode.awq import synthetic_for_contract
+from moe_grouped_decode.contract import QWEN38_TP4 as c
+from moe_grouped_decode.ops import cuda
+w = synthetic_for_contract(c, device="cuda")
+t0 = time.time()
+cuda.warmup(*w.tensors(), c.group_size, c.top_k, grouped_token_counts=[2], dense_token_counts=[1, 16])
+print(f"[tune] warmup with tune took {time.time() - t0:.0f}s;", open(glob.glob("/tmp/moe_gd_tune/*.json")[0]).read())
+PY
+timeout 70 python3 benchmarks/tp4_check.py --single-gpu --out "$OUT" || status=1
+if [ -f "$OUT/cuda_stats.json" ]; then
+  python3 - "$OUT/cuda_stats.json" <<'PY'
+import json, sys
+stats = json.load(open(sys.argv[1]))
+worst = {}
+for s in stats:
+    key = " ".join(s["case"].split()[:2])
+    if key not in worst or s["scaled_max_abs"] > worst[key]["scaled_max_abs"]:
+        worst[key] = s
+print(f"accuracy: {len(stats)} cases; worst per op/dtype (max_abs / max|ref|, max ULP):")
+for key, s in sorted(worst.items()):
+    print(f"  {key:<28} scaled={s['scaled_max_abs']:.2e} max_abs={s['max_abs']:.2e} ulp={s['max_ulp']}  ({s['case']})")
+PY
+fi
+[ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
+echo "gpu_check status=$status"
+exit $status

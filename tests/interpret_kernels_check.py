@@ -1,0 +1,135 @@
+"""Run the Triton kernels under TRITON_INTERPRET=1 on the CPU, on tiny shapes.
+
+Launched by test_kernels_interpret.py in a subprocess (the variable must be set
+before triton is imported). Prints one line per case and exits non-zero on the
+first failure.
+"""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import dataclasses  # noqa: E402
+
+import torch  # noqa: E402
+
+from moe_grouped_decode.awq import synthetic_moe_weights  # noqa: E402
+from moe_grouped_decode.kernels import dense, grouped  # noqa: E402
+from moe_grouped_decode.kernels.configs import DenseConfig, GroupedConfig  # noqa: E402
+from moe_grouped_decode.ops.reference import error_stats, reference_moe, reference_segments  # noqa: E402
+from moe_grouped_decode.ops.workspace import alloc_workspace, workspace_views  # noqa: E402
+
+# fp16 evidence bound max_abs <= 2e-3 * max|ref| (as on the GPU); bf16 has 3 fewer
+# mantissa bits, so its correctly rounded output alone can sit 2^-8 * max|ref| away:
+# 8x the bound, as the CPU op tests use.
+BOUND = {torch.float16: 2e-3, torch.bfloat16: 16e-3}
+
+
+def output_buffer(x: torch.Tensor) -> torch.Tensor:
+    """NaN-poisoned output. The interpreter truncates float32 -> bfloat16 (its cast_impl
+    ignores the rounding mode) where the GPU rounds to nearest even, so bf16 cases
+    store float32 and round with torch, as the GPU's store would."""
+    dtype = torch.float32 if x.dtype == torch.bfloat16 else x.dtype
+    return torch.full(x.shape, float("nan"), dtype=dtype)
+
+
+def routing(pattern: str, M: int, k: int, E: int, gen: torch.Generator) -> torch.Tensor:
+    if pattern == "random":  # distinct experts per token, random order
+        return torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
+    if pattern == "round_robin":  # consecutive experts, wrapping: neighbours share experts
+        return ((torch.arange(M)[:, None] * k + torch.arange(k)[None, :]) % E).to(torch.int32)
+    if pattern == "single_hot":  # every token on the same k experts: multi-row segments
+        return torch.randperm(E, generator=gen)[:k].repeat(M, 1).to(torch.int32)
+    raise ValueError(pattern)
+
+
+def check(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    stats = error_stats(out.to(dtype), ref)
+    ok = not stats.nan and stats.scaled_max_abs <= BOUND[dtype]
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: max_abs={stats.max_abs:.3g} scaled={stats.scaled_max_abs:.3g} ulp={stats.max_ulp}", flush=True)
+    if not ok:
+        sys.exit(1)
+
+
+def check_segments(name: str, ids: torch.Tensor, views) -> None:
+    want = reference_segments(ids)
+    A = int(views.live_count[0])
+    got = (
+        views.active_experts[:A].tolist(),
+        views.segment_offsets[: A + 1].tolist(),
+        views.sorted_rows[: ids.numel()].tolist(),
+    )
+    if got != (want.active_experts, want.segment_offsets, want.sorted_rows):
+        print(f"FAIL {name}: compaction {got} != {want}", flush=True)
+        sys.exit(1)
+
+
+def run_grouped(weights, x, tw, ids, config: GroupedConfig):
+    M, K = x.shape
+    k, N = ids.shape[1], weights.intermediate_size
+    workspace = alloc_workspace(M, k, K, N, "cpu")
+    workspace.fill_(-7)  # poison: ids, offsets and float partials all garbage
+    views = workspace_views(workspace, M * k, K, N)
+    out = output_buffer(x)
+    grouped.grouped_decode(
+        x, tw, ids, *weights.op_args(), views.sorted_rows, views.segment_opens, views.active_experts,
+        views.segment_offsets, views.live_count, views.gate_up_partials, views.row_outputs, out,
+        config.fitted(weights.group_size),
+    )
+    return out, views
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(0)
+    # one W13 column tile and one W2 column tile at K=64, 2N=64: few interpreted programs
+    base = GroupedConfig(split_k=2, w13_block_k=16, w13_block_n=64, w2_block_k=64, w2_block_n=16)
+    cases = [
+        # (E, k, K, N, G, M, pattern, dtype, config): why
+        (8, 2, 64, 32, 16, 1, "random", torch.float16, base),  # smallest batch, fused compaction
+        (8, 3, 64, 32, 32, 3, "round_robin", torch.bfloat16, base),  # experts shared across tokens, G = 32, bf16
+        (8, 3, 64, 32, 16, 4, "single_hot", torch.float16, dataclasses.replace(base, w13_rows=2)),  # multi-row segments, 2 rows per weight pass
+        (8, 2, 64, 32, 16, 3, "random", torch.bfloat16, dataclasses.replace(base, split_k=3, fuse_compaction=False)),  # standalone compaction, K-steps not divisible by split_k
+    ]
+    for E, k, K, N, G, M, pattern, dtype, config in cases:
+        weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + M)
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        tw = torch.rand(M, k, generator=gen)
+        ids = routing(pattern, M, k, E, gen)
+        name = f"grouped E={E} k={k} K={K} N={N} G={G} M={M} {pattern} {dtype} split_k={config.split_k} fused={config.fuse_compaction} rows={config.w13_rows}"
+        out, views = run_grouped(weights, x, tw, ids, config)
+        check(name, out, reference_moe(x, tw, ids, *weights.op_args()), dtype)
+        check_segments(name, ids, views)
+        # the last token alone gives the same bits (position and neighbour independence)
+        alone, _ = run_grouped(weights, x[-1:], tw[-1:], ids[-1:], config)
+        if not torch.equal(alone, out[-1:]):
+            print(f"FAIL {name}: last token differs when run alone", flush=True)
+            sys.exit(1)
+
+    # the standalone compaction kernels on their own: in-register (R <= 128) and tiled (R > 128)
+    for M, k, E in ((5, 2, 8), (45, 3, 16)):
+        ids = routing("random", M, k, E, gen)
+        workspace = alloc_workspace(M, k, 64, 32, "cpu")
+        workspace.fill_(-7)
+        views = workspace_views(workspace, M * k, 64, 32)
+        grouped.compact(ids, views.sorted_rows, views.segment_opens, views.active_experts, views.segment_offsets, views.live_count)
+        check_segments(f"compaction R={M * k}", ids, views)
+        print(f"ok   compaction R={M * k} A={int(views.live_count[0])}", flush=True)
+
+    # dense route, fp16 only: the interpreter cannot run tl.dot on bfloat16 (it stores
+    # bf16 as uint16 and multiplies the bit patterns); the GPU tests cover bf16
+    for M, k in ((5, 2), (7, 3)):
+        E, K, N, G, dtype = 8, 64, 32, 16, torch.float16
+        weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=M)
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        tw = torch.rand(M, k, generator=gen)
+        ids = routing("random", M, k, E, gen)
+        out = output_buffer(x)
+        config = DenseConfig(block_m=16, w13_block_n=32, block_k=16, w2_block_k=64, w2_block_n=16, num_warps=4)
+        dense.dense_moe(x, tw, ids, *weights.op_args(), out, config)
+        check(f"dense E={E} k={k} M={M} {dtype}", out, reference_moe(x, tw, ids, *weights.op_args()), dtype)
+    print("all interpreter checks passed", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The CUDA (Triton) implementations of both ops against the float64 per-expert reference.
+
+Runs on a CUDA GPU only (skipped elsewhere). Shapes are the qwen3.8-tp4
+contract's (E=512, k=10, K=2560, N=160, G=32). Bound: max|out - ref| <=
+2e-3 * max|ref| for fp16; bf16's own output rounding can reach 2^-8 * max|ref|,
+so its bound is 8x (as in test_ops_cpu.py). Every case's max abs diff and max
+ULP are written to $MOE_GD_STATS (JSON) when set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from moe_grouped_decode.awq import slice_tp, synthetic_moe_weights
+from moe_grouped_decode.contract import QWEN38_TP4
+from moe_grouped_decode.ops import alloc_workspace, error_stats, reference_moe, reference_segments, workspace_views
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+E, TOP_K, K, N, G = (QWEN38_TP4.num_experts, QWEN38_TP4.top_k, QWEN38_TP4.hidden_size,
+                     QWEN38_TP4.intermediate_size, QWEN38_TP4.group_size)
+BOUND = {torch.float16: 2e-3, torch.bfloat16: 16e-3}
+GROUPED_MAX_TOKENS = 64  # the workspace below holds 64 * 10 routed rows
+STATS: list = []
+
+grouped_op = torch.ops.moe_grouped_decode.awq_moe_grouped_decode
+dense_op = torch.ops.moe_grouped_decode.awq_moe_dense
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_stats():
+    yield
+    path = os.environ.get("MOE_GD_STATS")
+    if path:
+        with open(path, "w") as f:
+            json.dump(STATS, f, indent=1)
+
+
+@pytest.fixture(scope="module", params=[torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def layer(request):
+    """A synthetic contract-shaped layer on the GPU, and its CPU copy for the reference."""
+    weights = synthetic_moe_weights(E, K, N, G, dtype=request.param, seed=11, device="cuda")
+    return weights, weights.to("cpu")
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    return alloc_workspace(GROUPED_MAX_TOKENS, TOP_K, K, N, "cuda")
+
+
+def routing(pattern: str, M: int, gen: torch.Generator, num_experts: int = E):
+    """topk_ids [M, k] int32 and float32 softmax-like topk_weights, on the GPU."""
+    if pattern == "random":  # distinct experts per token, as a router gives
+        ids = torch.rand(M, num_experts, generator=gen).topk(TOP_K, dim=1).indices
+    elif pattern == "round_robin":  # consecutive experts: neighbouring tokens share some
+        ids = (torch.arange(M)[:, None] * 3 + torch.arange(TOP_K)[None, :]) % num_experts
+    elif pattern == "single_hot":  # every token on the same k experts: k segments of M rows
+        ids = torch.randperm(num_experts, generator=gen)[:TOP_K].repeat(M, 1)
+    else:
+        raise ValueError(pattern)
+    weights = torch.rand(M, TOP_K, generator=gen)
+    weights = weights / weights.sum(1, keepdim=True)
+    return ids.to(torch.int32).cuda(), weights.cuda()
+
+
+def activations(M: int, dtype, gen: torch.Generator):
+    return torch.randn(M, K, generator=gen).to(dtype).cuda()
+
+
+def poison_allocator(numel: int, dtype) -> None:
+    """Fill a freed block of the op's output size with NaN so that an output the
+    op allocates next likely starts as NaN, not as an earlier right answer."""
+    torch.full((numel,), float("nan"), dtype=dtype, device="cuda")
+
+
+def assert_close(name: str, out: torch.Tensor, x, tw, ids, cpu_weights) -> None:
+    ref = reference_moe(x.cpu(), tw.cpu(), ids.cpu(), *cpu_weights.op_args())
+    stats = error_stats(out, ref)
+    STATS.append({"case": name, **stats.row(), "nan": stats.nan})
+    assert not stats.nan, f"{name}: NaN in output"
+    assert stats.scaled_max_abs <= BOUND[out.dtype], f"{name}: {stats}"
+
+
+def run_grouped(x, tw, ids, weights, workspace):
+    workspace.fill_(-1)  # 0xFFFFFFFF: NaN as float32, -1 as ids and offsets
+    poison_allocator(x.numel(), x.dtype)
+    return grouped_op(x, tw, ids, *weights.op_args(), workspace)
+
+
+# M = 1..9 crosses the admitted window 2..8 on both sides; 16 and 64 exceed the
+# in-register compaction (R > 128: tiled compaction, split launch)
+GROUPED_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 64]
+
+
+@pytest.mark.parametrize("pattern", ["random", "round_robin", "single_hot"])
+@pytest.mark.parametrize("M", GROUPED_TOKENS)
+def test_grouped_matches_reference(layer, workspace, M, pattern):
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(100 * M + len(pattern))
+    x = activations(M, weights.dtype, gen)
+    ids, tw = routing(pattern, M, gen)
+    out = run_grouped(x, tw, ids, weights, workspace)
+    assert_close(f"grouped {weights.dtype} M={M} {pattern}", out, x, tw, ids, cpu_weights)
+    # the compaction left in the workspace is the reference's
+    views = workspace_views(workspace, M * TOP_K, K, N)
+    want = reference_segments(ids)
+    A = int(views.live_count[0])
+    assert views.active_experts[:A].tolist() == want.active_experts
+    assert views.segment_offsets[: A + 1].tolist() == want.segment_offsets
+    assert views.sorted_rows[: M * TOP_K].tolist() == want.sorted_rows
+
+
+# small M (decode sizes, C1), mid sizes, and prefill sizes where blocks fill up
+DENSE_CASES = [
+    *[(M, "random") for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 64)],
+    (8, "single_hot"),  # one padded block per expert holding 8 rows
+    (8, "round_robin"),
+    (512, "random"),  # ~10 rows per expert
+    (2048, "random"),  # ~40 rows per expert, several blocks for busy experts
+]
+
+
+@pytest.mark.parametrize("M,pattern", DENSE_CASES)
+def test_dense_matches_reference(layer, M, pattern):
+    weights, cpu_weights = layer
+    if M == 2048 and weights.dtype == torch.float16:
+        pytest.skip("one 2048-token case (bf16) keeps the float64 reference time down")
+    gen = torch.Generator().manual_seed(7 * M + len(pattern))
+    x = activations(M, weights.dtype, gen)
+    ids, tw = routing(pattern, M, gen)
+    poison_allocator(x.numel(), x.dtype)
+    out = dense_op(x, tw, ids, *weights.op_args())
+    assert_close(f"dense {weights.dtype} M={M} {pattern}", out, x, tw, ids, cpu_weights)
+
+
+@pytest.mark.parametrize("rank", [0, 3])  # first and last TP4 shard: gate/up and down slices at both ends
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tp4_shards(rank, dtype, workspace):
+    full = synthetic_moe_weights(E, K, 4 * N, G, dtype=dtype, seed=5, device="cuda")
+    shard = slice_tp(full, rank, 4)
+    cpu_shard = shard.to("cpu")
+    gen = torch.Generator().manual_seed(rank)
+    for M in (2, 8):
+        x = activations(M, dtype, gen)
+        ids, tw = routing("random", M, gen)
+        out = run_grouped(x, tw, ids, shard, workspace)
+        assert_close(f"grouped tp4 rank{rank} {dtype} M={M}", out, x, tw, ids, cpu_shard)
+        poison_allocator(x.numel(), x.dtype)
+        out = dense_op(x, tw, ids, *shard.op_args())
+        assert_close(f"dense tp4 rank{rank} {dtype} M={M}", out, x, tw, ids, cpu_shard)
+
+
+@pytest.mark.parametrize("M", range(2, 9))
+def test_grouped_cuda_graph_replay(layer, M):
+    """Capture once, then replay with new routing and activations copied into the inputs."""
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(1000 + M)
+    workspace = alloc_workspace(M, TOP_K, K, N, "cuda")
+    x = activations(M, weights.dtype, gen)
+    ids, tw = routing("random", M, gen)
+    grouped_op(x, tw, ids, *weights.op_args(), workspace)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = grouped_op(x, tw, ids, *weights.op_args(), workspace)
+    for replay, pattern in enumerate(("random", "single_hot", "round_robin", "random")):
+        new_ids, new_tw = routing(pattern, M, gen)
+        if pattern == "round_robin":  # shift so each replay routes differently
+            new_ids = (new_ids + 37 * replay) % E
+        ids.copy_(new_ids)
+        tw.copy_(new_tw)
+        x.copy_(activations(M, weights.dtype, gen))
+        out.fill_(float("nan"))
+        workspace.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(f"graph {weights.dtype} M={M} replay{replay} {pattern}", out, x, tw, ids, cpu_weights)
+
+
+def test_bit_identical_repeats(layer, workspace):
+    weights, _ = layer
+    gen = torch.Generator().manual_seed(3)
+    for M in (2, 8):
+        x = activations(M, weights.dtype, gen)
+        ids, tw = routing("random", M, gen)
+        first = run_grouped(x, tw, ids, weights, workspace).clone()
+        dense_first = dense_op(x, tw, ids, *weights.op_args()).clone()
+        for _ in range(3):
+            assert torch.equal(run_grouped(x, tw, ids, weights, workspace).view(torch.int16), first.view(torch.int16))
+            assert torch.equal(dense_op(x, tw, ids, *weights.op_args()).view(torch.int16), dense_first.view(torch.int16))
+
+
+def test_position_and_neighbour_independence(layer, workspace):
+    """One token's bits do not change with its batch position or the other tokens."""
+    weights, _ = layer
+    gen = torch.Generator().manual_seed(4)
+    M = 8
+    token_x = activations(1, weights.dtype, gen)
+    token_ids, token_tw = routing("random", 1, gen)
+    outputs = []
+    for position in (0, 5, 7):
+        x = activations(M, weights.dtype, gen)
+        ids, tw = routing("random", M, gen)
+        # one neighbour shares all of the token's experts: its segments get two rows
+        ids[(position + 1) % M] = token_ids[0]
+        x[position], ids[position], tw[position] = token_x[0], token_ids[0], token_tw[0]
+        outputs.append(run_grouped(x, tw, ids, weights, workspace)[position].clone())
+    for other in outputs[1:]:
+        assert torch.equal(other.view(torch.int16), outputs[0].view(torch.int16))
