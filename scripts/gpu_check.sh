@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
 status=0
 if [ "$TESTS" = 1 ]; then
-  MOE_GD_STATS="$OUT/cuda_stats.json" timeout 300 python3 -m pytest -q -rs --maxfail=8 -p no:cacheprovider tests/test_cuda_ops.py || status=1
+  MOE_GD_STATS="$OUT/cuda_stats.json" timeout 300 python3 -m pytest -q -rs --maxfail=8 -p no:cacheprovider tests/test_cuda_ops.py tests/test_lowering_cuda_graphs.py || status=1
 fi
 timeout 220 python3 -m moe_grouped_decode bench --out "$OUT" ${SWEEP:+--sweep "$SWEEP"} ${BREAKDOWN:+--breakdown "$BREAKDOWN"} || status=1
 # the opt-in autotune path, end to end, for one token count (cache in a scratch dir)

@@ -1,10 +1,19 @@
-"""vLLM general plugin. The only subpackage that imports vllm."""
+"""vLLM general plugin. The only subpackage that imports vllm (and only once registered).
+
+``register`` is the ``vllm.general_plugins`` entry point. vLLM calls it in every
+process it starts (front end, engine core, workers), possibly more than once;
+it registers the environment's extra contracts, fails closed on an explicit
+``VLLM_AWQ_MOE_GROUPED_DECODE=1`` the platform cannot honour, registers the
+quantization-config override that routes admitted AWQ MoE layers to the plugin's
+method, and defines the ops the CUDA-shape rewrite swaps in. It changes nothing
+for a model without AWQ MoE layers.
+"""
 
 from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("moe_grouped_decode")
 
 _registered = False
 
@@ -15,6 +24,34 @@ def register() -> None:
     if _registered:
         return
     import moe_grouped_decode  # noqa: F401  (registers the custom ops)
+    from vllm.platforms import current_platform
+
+    from .contracts_env import register_env_contracts
+    from .startup import check_switch
+
+    _log_with_vllm()
+    register_env_contracts()
+    check_switch(current_platform.device_type)  # raises on an explicit =1 that cannot run here
+    from . import passes, quant_config  # noqa: F401  (quantization override, replacement ops)
 
     _registered = True
     logger.debug("moe_grouped_decode plugin registered")
+
+
+class _ToVllmLogger(logging.Handler):
+    """Hands records to vLLM's logger, whose handlers vLLM configures later (per process)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def _log_with_vllm() -> None:
+    """Send the package's log lines (plugin and lowering) through vLLM's handlers, at vLLM's level."""
+    from vllm import envs
+
+    ours = logging.getLogger("moe_grouped_decode")
+    if any(isinstance(h, _ToVllmLogger) for h in ours.handlers):
+        return
+    ours.addHandler(_ToVllmLogger())
+    ours.setLevel(envs.VLLM_LOGGING_LEVEL)
+    ours.propagate = False

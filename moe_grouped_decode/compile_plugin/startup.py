@@ -1,0 +1,159 @@
+"""Startup decisions: can the grouped route run here, which layers took it, warmup.
+
+Every decision asks :func:`moe_grouped_decode.contract.admits`; this module
+only records the answers and reports them once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from ..contract import Admission, LayerShape, admits
+from ..env import GROUPED_DECODE_ENV, GroupedDecodeMode, grouped_decode_mode
+
+logger = logging.getLogger("moe_grouped_decode")
+
+
+def kernels_unavailable_reason(device_type: str) -> Optional[str]:
+    """What is missing for the grouped op to run on ``device_type``, or None.
+
+    CPU: nothing (the ops' torch implementations run anywhere). CUDA: Triton,
+    and CUDA implementations registered for both ops (``moe_grouped_decode.ops.cuda``).
+    Any other device: the ops have no implementation there.
+    """
+    if device_type == "cpu":
+        return None
+    if device_type != "cuda":
+        return f"no implementation of the moe_grouped_decode ops for device type {device_type!r}"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton)"
+    missing = [
+        op
+        for op in ("awq_moe_dense", "awq_moe_grouped_decode")
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_grouped_decode::{op}", "CUDA")
+    ]
+    if missing:
+        return f"no CUDA kernel registered for {', '.join(missing)} (moe_grouped_decode.ops.cuda)"
+    return None
+
+
+def check_switch(device_type: str) -> bool:
+    """Whether the grouped route is on for this process; fail closed on an explicit 1.
+
+    ``VLLM_AWQ_MOE_GROUPED_DECODE=0``: off. Unset: on where the kernels can run,
+    silently off elsewhere. ``=1`` where they cannot run: RuntimeError naming
+    what is missing.
+    """
+    mode = grouped_decode_mode()
+    if mode is GroupedDecodeMode.OFF:
+        return False
+    missing = kernels_unavailable_reason(device_type)
+    if missing is None:
+        return True
+    if mode is GroupedDecodeMode.REQUIRED:
+        raise RuntimeError(
+            f"{GROUPED_DECODE_ENV}=1 requires the grouped decode kernels, which cannot run on "
+            f"this {device_type} platform: {missing}. Unset {GROUPED_DECODE_ENV} to fall back "
+            "to the dense route silently, or set it to 0 to roll back."
+        )
+    return False
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    shape: LayerShape
+    admission: Admission  # falsy: served dense only, or left to vLLM
+    served_by_plugin: bool
+
+
+# layer name -> what was decided when the model was built (this process)
+LAYER_DECISIONS: Dict[str, LayerDecision] = {}
+_loaded_layers: set = set()
+_reported = False
+
+
+def record_layer(layer_name: str, decision: LayerDecision) -> None:
+    """Remember a layer's decision (made while vLLM builds the model)."""
+    LAYER_DECISIONS[layer_name] = decision
+    logger.debug("%s: %s (%s)", layer_name, "admitted" if decision.admission else "not admitted", decision.admission.reason)
+
+
+def layer_loaded(layer_name: str) -> None:
+    """Called once the plugin's method has a layer's weights; logs the summary once.
+
+    Weights are processed after the whole model is built, so when every layer
+    the plugin serves has reported, every decision is known.
+    """
+    global _reported
+    _loaded_layers.add(layer_name)
+    served = {name for name, d in LAYER_DECISIONS.items() if d.served_by_plugin}
+    if not _reported and served <= _loaded_layers:
+        _reported = True
+        logger.info("moe_grouped_decode: %s", summary())
+
+
+def summary() -> str:
+    """One line: which layers were admitted under which contract, and what the rest do."""
+    by_contract: Dict[str, list] = {}
+    dense, vllm_own = [], []
+    for name, decision in LAYER_DECISIONS.items():
+        if decision.admission:
+            by_contract.setdefault(decision.admission.contract.name, []).append(name)
+        elif decision.served_by_plugin:
+            dense.append(name)
+        else:
+            vllm_own.append(name)
+    parts = [
+        f"{len(names)} MoE layer(s) admitted under contract {contract!r} (grouped route for "
+        f"{LAYER_DECISIONS[names[0]].admission.contract.min_tokens}..{LAYER_DECISIONS[names[0]].admission.contract.max_tokens} tokens): "
+        f"{_names(names)}"
+        for contract, names in by_contract.items()
+    ]
+    if dense:
+        parts.append(f"{len(dense)} served dense by the plugin (vLLM has no backend here): {_names(dense)}")
+    if vllm_own:
+        parts.append(f"{len(vllm_own)} left to vLLM's own method: {_names(vllm_own)}")
+    if not parts:
+        return "no MoE layers seen"
+    reasons = {d.admission.reason for d in LAYER_DECISIONS.values() if not d.admission}
+    if reasons:
+        parts.append("not admitted because: " + " | ".join(sorted(reasons)))
+    return "; ".join(parts)
+
+
+def _names(names) -> str:
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]}"
+
+
+def admitted_token_counts(shape: LayerShape, max_tokens: int) -> list:
+    """Every M up to ``max_tokens`` that ``admits`` accepts for ``shape``."""
+    contract = admits(shape, None).contract
+    if contract is None:
+        return []
+    return [m for m in range(contract.min_tokens, min(contract.max_tokens, max_tokens) + 1) if admits(shape, m)]
+
+
+def warm_up_kernels(layer, method) -> None:
+    """Compile every grouped kernel variant an admitted token count needs, before graph capture.
+
+    Triton compiles a variant the first time a launch needs it; doing it here,
+    at weight-loading time, keeps compilation out of CUDA-graph capture. The
+    token counts come from ``admits`` (the same function the runtime asks).
+    Dense variants are compiled by vLLM's own warmup runs before capture. The
+    CPU implementation has nothing to compile.
+    """
+    if layer.w13_qweight.device.type != "cuda":
+        return
+    from ..ops import cuda
+
+    shape = method.shape
+    cuda.warmup(
+        layer.w13_qweight, layer.w13_scales, layer.w13_qzeros, layer.w2_qweight, layer.w2_scales, layer.w2_qzeros,
+        shape.group_size, shape.top_k, admitted_token_counts(shape, method.moe.max_num_tokens),
+        workspace=method.workspace,
+    )

@@ -1,0 +1,114 @@
+"""The plugin's decisions without an engine: registration, switches, checkpoint claims, contracts, uuid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_grouped_decode.checkpoints import TINY, hf_config
+from moe_grouped_decode.compile_plugin.contracts_env import CONTRACTS_ENV, contracts_from_json, contracts_to_json, register_env_contracts
+from moe_grouped_decode.compile_plugin.startup import check_switch, kernels_unavailable_reason
+from moe_grouped_decode.contract import QWEN38_TP4, contract_registered, registered_contracts, unregister_contract
+from moe_grouped_decode.env import GROUPED_DECODE_ENV
+
+pytestmark = pytest.mark.vllm  # imports vllm (no engine is started)
+
+
+def test_register_is_idempotent_and_adds_the_quantization_override():
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    from moe_grouped_decode.compile_plugin import register
+    from moe_grouped_decode.compile_plugin.quant_config import QUANTIZATION_NAME, GroupedDecodeAwqConfig
+
+    register()
+    register()  # vLLM loads plugins more than once per process
+    assert QUANTIZATION_METHODS.count(QUANTIZATION_NAME) == 1
+    assert get_quantization_config(QUANTIZATION_NAME) is GroupedDecodeAwqConfig
+    assert hasattr(torch.ops.moe_grouped_decode, "vllm_moe_forward_grouped")
+    # same schema as vLLM's op, so swapping the call target keeps the graph valid
+    ours = torch.ops.moe_grouped_decode.vllm_moe_forward_grouped.default._schema
+    theirs = torch.ops.vllm.moe_forward.default._schema
+    def signature(schema):
+        return [(a.name, str(a.type), a.alias_info and a.alias_info.is_write) for a in schema.arguments], [
+            str(r.type) for r in schema.returns
+        ]
+
+    assert signature(ours) == signature(theirs)
+
+
+class _Config:
+    """A minimal hf_config: the override only reads the expert count."""
+
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+@pytest.mark.parametrize(
+    "quant_cfg,user_quant,hf,claimed",
+    [
+        (hf_config(TINY)["quantization_config"], None, _Config(num_experts=8), True),  # the generated checkpoint
+        ({"quant_method": "awq", "bits": 4, "zero_point": True}, "awq", _Config(num_experts=512), True),  # no version: GEMM
+        ({"quant_method": "awq", "bits": 4, "zero_point": True}, None, _Config(num_experts=0), False),  # dense model
+        ({"quant_method": "awq", "bits": 4, "zero_point": True}, None, None, False),  # unknown model
+        ({"quant_method": "awq", "bits": 4, "zero_point": True, "version": "gemv"}, None, _Config(num_experts=8), False),  # other layout
+        ({"quant_method": "awq", "bits": 4, "zero_point": False}, None, _Config(num_experts=8), False),  # symmetric
+        ({"quant_method": "gptq", "bits": 4}, None, _Config(num_experts=8), False),  # not AWQ
+        ({"quant_method": "awq", "bits": 4, "zero_point": True}, "gptq", _Config(num_experts=8), False),  # user asked otherwise
+    ],
+)
+def test_which_checkpoints_are_claimed(quant_cfg, user_quant, hf, claimed):
+    from moe_grouped_decode.compile_plugin.quant_config import QUANTIZATION_NAME, GroupedDecodeAwqConfig
+
+    result = GroupedDecodeAwqConfig.override_quantization_method(quant_cfg, user_quant, hf_config=hf)
+    assert result == (QUANTIZATION_NAME if claimed else None)
+
+
+@pytest.mark.parametrize(
+    "switch,device,enabled",
+    [
+        (None, "cpu", True),  # unset: on where the kernels run (the CPU implementations always do)
+        ("1", "cpu", True),
+        ("0", "cpu", False),  # rollback
+        (None, "xpu", False),  # unset where they cannot run: silently dense
+        ("0", "xpu", False),
+    ],
+)
+def test_switch(monkeypatch, switch, device, enabled):
+    if switch is None:
+        monkeypatch.delenv(GROUPED_DECODE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(GROUPED_DECODE_ENV, switch)
+    assert check_switch(device) is enabled
+
+
+def test_explicit_on_fails_closed_naming_what_is_missing(monkeypatch):
+    monkeypatch.setenv(GROUPED_DECODE_ENV, "1")
+    with pytest.raises(RuntimeError, match=r"VLLM_AWQ_MOE_GROUPED_DECODE=1 .* no implementation .* 'xpu'"):
+        check_switch("xpu")
+    assert kernels_unavailable_reason("cpu") is None  # the torch implementations run on any CPU
+
+
+def test_contracts_travel_through_the_environment(monkeypatch):
+    contract = TINY.contract("env-test", min_tokens=2, max_tokens=6)
+    text = contracts_to_json([contract, QWEN38_TP4])
+    assert contracts_from_json(text) == [contract, QWEN38_TP4]
+    monkeypatch.setenv(CONTRACTS_ENV, contracts_to_json([contract]))
+    try:
+        assert register_env_contracts() == [contract]
+        assert contract in registered_contracts()
+    finally:
+        unregister_contract(contract.name)
+    monkeypatch.setenv(CONTRACTS_ENV, '[{"name": "broken"}]')
+    with pytest.raises(ValueError, match=CONTRACTS_ENV):
+        register_env_contracts()
+
+
+def test_pass_uuid_follows_the_contract_set():
+    from moe_grouped_decode.compile_plugin.passes import VllmGroupedDecodePass
+
+    graph_pass = VllmGroupedDecodePass()
+    before = graph_pass.uuid()
+    assert graph_pass.uuid() == before  # stable
+    with contract_registered(TINY.contract("uuid-test")):
+        assert graph_pass.uuid() != before  # a new contract changes what compiled graphs hold
+    assert graph_pass.uuid() == before
