@@ -201,3 +201,16 @@ def admits(shape: LayerShape, num_tokens: Union[int, TokenRange, None] = None) -
     if not rejections:
         return Admission(None, "no contract registered")
     return Admission(None, "; ".join(rejections))
+
+
+def admitted_window(shape: LayerShape, num_tokens: TokenRange) -> Optional[TokenRange]:
+    """The sub-range of ``num_tokens`` that :func:`admits` accepts for ``shape``, or None.
+
+    For a symbolic M ranging wider than a contract's window (a compile range such
+    as 1..8192): the token counts for which the grouped route may still run.
+    """
+    contract = admits(shape).contract
+    if contract is None:
+        return None
+    window = (max(num_tokens[0], contract.min_tokens), min(num_tokens[1], contract.max_tokens))
+    return window if window[0] <= window[1] and admits(shape, window) else None

@@ -10,6 +10,7 @@ from moe_grouped_decode.contract import (
     LayerShape,
     ShapeContract,
     admits,
+    admitted_window,
     contract_registered,
     contracts_fingerprint,
     register_contract,
@@ -132,3 +133,22 @@ def test_layer_shape_from_tensors():
     w13 = torch.empty(512, 2560, 40, dtype=torch.int32)
     w2 = torch.empty(512, 160, 320, dtype=torch.int32)
     assert LayerShape.from_tensors(x, ids, w13, w2, 32) == dataclasses.replace(QWEN, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "token_range,window",
+    [
+        ((1, 8192), (2, 8)),  # vLLM's whole range: the grouped route runs inside the window only
+        ((1, 4), (2, 4)),  # a range reaching below the window
+        ((6, 20), (6, 8)),  # a range reaching above it
+        ((3, 5), (3, 5)),  # a range inside it is its own window
+        ((1, 1), None),  # C1 only: nothing admitted
+        ((9, 64), None),  # past the window
+    ],
+)
+def test_admitted_window(token_range, window):
+    assert admitted_window(QWEN, token_range) == window
+
+
+def test_admitted_window_needs_a_matching_shape():
+    assert admitted_window(dataclasses.replace(QWEN, top_k=8), (1, 8192)) is None

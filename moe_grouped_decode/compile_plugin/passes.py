@@ -37,7 +37,7 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import LayerName
 
 from .. import __version__
-from ..contract import LayerShape, ShapeContract, admits, contracts_fingerprint
+from ..contract import ShapeContract, admitted_window, contracts_fingerprint
 from ..lowerings import GroupedDecodePass
 from ..lowerings.grouped_decode import token_range_of
 from .startup import LAYER_DECISIONS
@@ -118,15 +118,6 @@ def _call_parts(node: torch.fx.Node):
     return None, None
 
 
-def grouped_window(shape: LayerShape, tokens: TokenRange) -> Optional[TokenRange]:
-    """The token counts in ``tokens`` that ``admits`` accepts for ``shape`` (one interval), or None."""
-    contract: Optional[ShapeContract] = admits(shape, None).contract
-    if contract is None:
-        return None
-    sub = (max(tokens[0], contract.min_tokens), min(tokens[1], contract.max_tokens))
-    return sub if sub[0] <= sub[1] and admits(shape, sub) else None
-
-
 class MoeForwardGroupedPass:
     """Swap ``vllm::moe_forward[_shared]`` for the plugin's same-schema op on admitted layers.
 
@@ -170,7 +161,7 @@ class MoeForwardGroupedPass:
             return "layer not admitted by a contract" if decision else "not a layer the plugin serves"
         num_tokens = hidden_states.meta["val"].shape[0]
         tokens = token_range_of(num_tokens, self.token_range)
-        if tokens is None or grouped_window(decision.shape, tokens) is None:
+        if tokens is None or admitted_window(decision.shape, tokens) is None:
             return f"no admitted token count in {tokens or self.token_range}"
         return None
 
@@ -218,7 +209,7 @@ class VllmGroupedDecodePass(InductorPass):
         return InductorPass.hash_dict(
             {
                 "plugin": __version__,
-                "source": InductorPass.hash_source(self, MoeForwardGroupedPass, _forward_grouped, grouped_window),
+                "source": InductorPass.hash_source(self, MoeForwardGroupedPass, _forward_grouped),
                 "lowering": GroupedDecodePass().uuid(),
                 "contracts": contracts_fingerprint(),
                 "previous": previous,

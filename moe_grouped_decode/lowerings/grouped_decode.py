@@ -59,7 +59,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils._sympy.numbers import int_oo
 
 from .. import __version__
-from ..contract import LayerShape, admits, contracts_fingerprint
+from .. import contract as contract_module
+from ..contract import LayerShape, admits, admitted_window, contracts_fingerprint
 from ..ops import routed as routed_module
 from ..ops.workspace import workspace_numel
 
@@ -123,15 +124,10 @@ def choose_route(hidden_states, topk_ids, w13_qweight, w2_qweight, group_size: i
     whole = admits(shape, tokens)
     if whole:
         return Route("grouped", f"{_describe(tokens)}: {whole.reason}", tokens, tokens[1] * shape.top_k)
-    layer = admits(shape, None)
-    if layer:
-        window = layer.contract
-        sub = (max(tokens[0], window.min_tokens), min(tokens[1], window.max_tokens))
-        if sub[0] <= sub[1]:
-            part = admits(shape, sub)
-            if part:
-                reason = f"{_describe(tokens)}: grouped for {_describe(sub)} ({part.reason}), dense otherwise"
-                return Route("routed", reason, sub, sub[1] * shape.top_k)
+    sub = admitted_window(shape, tokens)
+    if sub is not None:
+        reason = f"{_describe(tokens)}: grouped for {_describe(sub)} ({admits(shape, sub).reason}), dense otherwise"
+        return Route("routed", reason, sub, sub[1] * shape.top_k)
     return Route("dense", f"{_describe(tokens)}: {whole.reason}")
 
 
@@ -169,9 +165,9 @@ def _dense_call(hidden_states, topk_weights, topk_ids, w13_qweight, w13_scales, 
 
 
 def _source_digest() -> str:
-    """Digest of the source that decides what the pass emits (this module and the routed op)."""
+    """Digest of the source that decides what the pass emits (this module, admission, the routed op)."""
     hasher = hashlib.sha256()
-    for module in (sys.modules[__name__], routed_module):
+    for module in (sys.modules[__name__], contract_module, routed_module):
         hasher.update(inspect.getsource(module).encode())
     return hasher.hexdigest()[:16]
 
