@@ -125,7 +125,7 @@ def run(args) -> Dict:
                     xs[layer], tws[layer], ids[layer], *layers[layer].op_args(), workspace)
 
             def floor2(layer):
-                grouped_kernels.compact(ids[layer], views.sorted_rows, views.segment_opens, views.active_experts,
+                grouped_kernels.compact(ids[layer], views.sorted_rows, views.sorted_experts, views.active_experts,
                                         views.segment_offsets, views.live_count)
                 read_active_experts(views.active_experts, views.live_count, sink, max_active, layers[layer].tensors())
 
@@ -170,7 +170,9 @@ def run(args) -> Dict:
 
 
 def _sweep(args, layers, workspace, gen) -> List[Dict]:
-    """Time every autotune candidate config of the grouped op (L2 cold, same method)."""
+    """Time every autotune candidate config of the grouped op (L2 cold, same method), and check
+    each one's output on the first layer against the dense route (the unit tests cover only
+    the table's configs)."""
     from .kernels import configs
     from .ops.cuda import launch_grouped
 
@@ -183,26 +185,30 @@ def _sweep(args, layers, workspace, gen) -> List[Dict]:
         tws = [r[1].to(device) for r in routings]
         xs = [torch.randn(M, c.hidden_size, generator=gen).to(layers[0].dtype).to(device) for _ in range(args.layers)]
         out = torch.empty_like(xs[0])
+        dense_out = torch.ops.moe_grouped_decode.awq_moe_dense(xs[0], tws[0], ids[0], *layers[0].op_args()).float()
         timed = []
         for candidate in configs.grouped_candidates():
-            config = candidate.fitted(c.group_size)
+            config = candidate.fitted(c.group_size, c.hidden_size)
+            out.fill_(float("nan"))
+            launch_grouped(xs[0], tws[0], ids[0], *layers[0].op_args(), workspace, out, config)
+            error = ((out.float() - dense_out).abs().max() / dense_out.abs().max()).item()
 
             def step(layer, config=config):
                 launch_grouped(xs[layer], tws[layer], ids[layer], *layers[layer].op_args(), workspace, out, config)
 
             us = _time_graph(step, args.layers, args.reps)
-            timed.append((us, config))
-            results.append({"M": M, "us": us, **config.__dict__})
+            timed.append((us, error, config))
+            results.append({"M": M, "us": us, "scaled_diff_vs_dense": error, **config.__dict__})
         timed.sort(key=lambda t: t[0])
-        for us, config in timed[:4]:
-            print(f"[sweep] M={M} {us:7.2f} us  {config}", flush=True)
+        for us, error, config in timed:
+            print(f"[sweep] M={M} {us:7.2f} us  diff/dense {error:.1e}  {config}", flush=True)
     return results
 
 
 def _breakdown(args, layers, workspace, gen) -> List[Dict]:
-    """Each grouped stage alone (non-fused config, so the stages separate), same method.
+    """Each grouped stage alone (W13 includes the compaction program), same method.
 
-    Stages after the compaction reuse whatever metadata the last layer left in the
+    Stages after W13 reuse whatever partials the last layer left in the
     workspace: the timing is right, the numbers are not."""
     import dataclasses
 
@@ -214,7 +220,7 @@ def _breakdown(args, layers, workspace, gen) -> List[Dict]:
     shape = (c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size)
     results = []
     for M in [int(m) for m in args.breakdown.split(",")]:
-        config = dataclasses.replace(configs.grouped_config(shape, args.dtype, M), fuse_compaction=False)
+        config = configs.grouped_config(shape, args.dtype, M)
         routings = [_random_routing(M, c.top_k, c.num_experts, gen) for _ in range(args.layers)]
         ids = [r[0].to(device) for r in routings]
         tws = [r[1].to(device) for r in routings]
@@ -222,10 +228,10 @@ def _breakdown(args, layers, workspace, gen) -> List[Dict]:
         out = torch.empty_like(xs[0])
         views = workspace_views(workspace, M * c.top_k, c.hidden_size, c.intermediate_size)
         row = {"M": M, "config": dataclasses.asdict(config)}
-        for stages in (grouped_kernels.STAGES, ("compact",), ("w13",), ("w2",), ("combine",)):
+        for stages in (grouped_kernels.STAGES, ("w13",), ("w2",), ("combine",)):
             def step(layer, stages=stages):
                 grouped_kernels.grouped_decode(
-                    xs[layer], tws[layer], ids[layer], *layers[layer].op_args(), views.sorted_rows, views.segment_opens,
+                    xs[layer], tws[layer], ids[layer], *layers[layer].op_args(), views.sorted_rows, views.sorted_experts,
                     views.active_experts, views.segment_offsets, views.live_count, views.gate_up_partials,
                     views.row_outputs, out, config, stages=stages)
 

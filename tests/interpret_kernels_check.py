@@ -73,30 +73,32 @@ def run_grouped(weights, x, tw, ids, config: GroupedConfig):
     views = workspace_views(workspace, M * k, K, N)
     out = output_buffer(x)
     grouped.grouped_decode(
-        x, tw, ids, *weights.op_args(), views.sorted_rows, views.segment_opens, views.active_experts,
+        x, tw, ids, *weights.op_args(), views.sorted_rows, views.sorted_experts, views.active_experts,
         views.segment_offsets, views.live_count, views.gate_up_partials, views.row_outputs, out,
-        config.fitted(weights.group_size),
+        config.fitted(weights.group_size, K),
     )
     return out, views
 
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    # one W13 column tile and one W2 column tile at K=64, 2N=64: few interpreted programs
-    base = GroupedConfig(split_k=2, w13_block_k=16, w13_block_n=64, w2_block_k=64, w2_block_n=16)
+    # K=64, 2N=64: one W13 column tile of 8 int32s, two K-splits, one W2 column tile
+    base = GroupedConfig(w13_block_k=32, w13_block_n=64, w13_warps=1, w2_block_k=64, w2_warps=1)
     cases = [
         # (E, k, K, N, G, M, pattern, dtype, config): why
-        (8, 2, 64, 32, 16, 1, "random", torch.float16, base),  # smallest batch, fused compaction
-        (8, 3, 64, 32, 32, 3, "round_robin", torch.bfloat16, base),  # experts shared across tokens, G = 32, bf16
-        (8, 3, 64, 32, 16, 4, "single_hot", torch.float16, dataclasses.replace(base, w13_rows=2)),  # multi-row segments, 2 rows per weight pass
-        (8, 2, 64, 32, 16, 3, "random", torch.bfloat16, dataclasses.replace(base, split_k=3, fuse_compaction=False)),  # standalone compaction, K-steps not divisible by split_k
+        (8, 2, 64, 32, 16, 1, "random", torch.float16, base),  # smallest batch, two groups per K-split
+        (8, 3, 64, 32, 32, 3, "round_robin", torch.bfloat16, base),  # experts shared across tokens, G = 32 (one group per split), bf16
+        (8, 3, 64, 32, 16, 4, "single_hot", torch.float16, dataclasses.replace(base, w13_block_n=32)),  # multi-row segments, two W13 column tiles
+        # N // G = 3 groups: W2 in chunks of 2 + 1; K // G = 6 groups in splits of 4 (the last half masked);
+        # 2N = 96 and K = 96 columns: the second W13 and W2 column tiles are partly masked
+        (8, 2, 96, 48, 16, 3, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w13_warps=2, w2_warps=2)),
     ]
     for E, k, K, N, G, M, pattern, dtype, config in cases:
         weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + M)
         x = torch.randn(M, K, generator=gen).to(dtype)
         tw = torch.rand(M, k, generator=gen)
         ids = routing(pattern, M, k, E, gen)
-        name = f"grouped E={E} k={k} K={K} N={N} G={G} M={M} {pattern} {dtype} split_k={config.split_k} fused={config.fuse_compaction} rows={config.w13_rows}"
+        name = f"grouped E={E} k={k} K={K} N={N} G={G} M={M} {pattern} {dtype} {config}"
         out, views = run_grouped(weights, x, tw, ids, config)
         check(name, out, reference_moe(x, tw, ids, *weights.op_args()), dtype)
         check_segments(name, ids, views)
@@ -106,13 +108,13 @@ def main() -> None:
             print(f"FAIL {name}: last token differs when run alone", flush=True)
             sys.exit(1)
 
-    # the standalone compaction kernels on their own: in-register (R <= 128) and tiled (R > 128)
+    # the standalone compaction kernel on its own: one padded sort at R = 10 and R = 135
     for M, k, E in ((5, 2, 8), (45, 3, 16)):
         ids = routing("random", M, k, E, gen)
         workspace = alloc_workspace(M, k, 64, 32, "cpu")
         workspace.fill_(-7)
         views = workspace_views(workspace, M * k, 64, 32)
-        grouped.compact(ids, views.sorted_rows, views.segment_opens, views.active_experts, views.segment_offsets, views.live_count)
+        grouped.compact(ids, views.sorted_rows, views.sorted_experts, views.active_experts, views.segment_offsets, views.live_count)
         check_segments(f"compaction R={M * k}", ids, views)
         print(f"ok   compaction R={M * k} A={int(views.live_count[0])}", flush=True)
 

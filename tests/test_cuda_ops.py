@@ -94,8 +94,8 @@ def run_grouped(x, tw, ids, weights, workspace):
     return grouped_op(x, tw, ids, *weights.op_args(), workspace)
 
 
-# M = 1..9 crosses the admitted window 2..8 on both sides; 16 and 64 exceed the
-# in-register compaction (R > 128: tiled compaction, split launch)
+# M = 1..9 crosses the admitted window 2..8 on both sides; 16 and 64 (R = 160 and 640
+# rows) sort past 128 rows in the compaction program and launch W13 grids of 8k-32k programs
 GROUPED_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 64]
 
 

@@ -1,8 +1,8 @@
 """Launch configurations: defaults per shape, the qwen3.8-tp4 table, and the autotune cache.
 
 A config only changes tiling, never results across runs: the grouped op's
-per-row arithmetic depends on ``split_k``, ``w13_block_k`` and ``w2_block_n``
-(summation order), so one shape and token count always use one config, and the
+summation order depends on every field (tile shapes and warps place the
+reductions), so one shape and token count always use one config, and the
 position-independence of a token's bits holds within it.
 
 Tuned configs (``VLLM_AWQ_MOE_GROUPED_DECODE_TUNE=1``, searched at warmup by
@@ -25,23 +25,33 @@ from typing import Dict, Optional, Tuple
 
 @dataclass(frozen=True)
 class GroupedConfig:
-    split_k: int = 8  # W13: programs per segment along K (partials summed in order by the W2 kernel)
-    w13_block_k: int = 32  # W13: K rows per step; must divide G (one scale row per step)
-    w13_block_n: int = 64  # W13: output columns per program (of 2N)
-    w13_rows: int = 1  # W13: segment rows per pass over the weight tile
-    w13_warps: int = 4
-    w2_block_k: int = 256  # W2: output columns per program (of K)
-    w2_block_n: int = 32  # W2: intermediate rows per step; must divide G
-    w2_warps: int = 4
-    fuse_compaction: bool = True  # recompute the compaction inside every W13 program (2 launches)
+    w13_block_k: int = 256  # W13: K rows per program (whole groups, a power of two of them); K / this = splits
+    w13_block_n: int = 64  # W13: output columns per program (8 per packed int32; a power of two of int32s)
+    w13_warps: int = 1
+    w2_block_k: int = 128  # W2: output columns per program (8 per packed int32; a power of two of int32s)
+    w2_warps: int = 1
 
-    def fitted(self, group_size: int) -> "GroupedConfig":
-        """Shrink the K-steps to divide the group size (one scale/zero row per step)."""
+    def w13_splits(self, hidden_size: int, group_size: int) -> int:
+        """W13 programs per (row, column tile) along K: the partial sums the W2 kernel adds in order."""
+        groups_per_split = self.w13_block_k // group_size
+        return -(-(hidden_size // group_size) // groups_per_split)
+
+    def fitted(self, group_size: int, hidden_size: int) -> "GroupedConfig":
+        """Round the tiles to power-of-two group and int32 counts, growing W13's K tile until
+        its splits fit the workspace's partials region (MAX_SPLIT_K)."""
+        groups = _pow2_at_most(max(1, self.w13_block_k // group_size))
+        while -(-(hidden_size // group_size) // groups) > MAX_SPLIT_K:
+            groups *= 2
         return dataclasses.replace(
             self,
-            w13_block_k=math.gcd(self.w13_block_k, group_size),
-            w2_block_n=math.gcd(self.w2_block_n, group_size),
+            w13_block_k=groups * group_size,
+            w13_block_n=8 * _pow2_at_most(max(1, self.w13_block_n // 8)),
+            w2_block_k=8 * _pow2_at_most(max(1, self.w2_block_k // 8)),
         )
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 @dataclass(frozen=True)
@@ -62,23 +72,19 @@ class DenseConfig:
         )
 
 
-# Largest split_k the workspace's partials region holds (ops/workspace.py sizes it).
-MAX_SPLIT_K = 16
+# Most W13 K-splits the workspace's partials region holds (ops/workspace.py sizes it).
+MAX_SPLIT_K = 32
 
 # (E, k, K, N, G) of the qwen3.8-tp4 contract.
 QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 
-# Sweep winners on H200, fp16 (docs/PERF.md, `bench --sweep 2,4,8`); keyed by token count M.
+# Sweep winners on H200, fp16 (docs/PERF.md v4, `bench --sweep 2,8`: the default won at both
+# M = 2 and M = 8, so M = 4 takes it too); keyed by token count M.
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
-    2: GroupedConfig(split_k=8, w13_block_n=128, w2_block_k=256, fuse_compaction=True),
-    4: GroupedConfig(split_k=16, w13_block_n=128, w2_block_k=512, fuse_compaction=False),
-    8: GroupedConfig(split_k=16, w13_block_n=128, w2_block_k=256, fuse_compaction=False),
+    2: GroupedConfig(),
+    4: GroupedConfig(),
+    8: GroupedConfig(),
 }
-
-# The fused compaction recomputes an O(R^2) rank in every W13 program; the kernel
-# supports R <= 128, and the sweep measured it ahead of a separate launch only up to R ~ 20.
-FUSED_COMPACTION_MAX_ROWS = 128
-FUSED_COMPACTION_DEFAULT_MAX_ROWS = 32
 
 
 def _cache_dir() -> Path:
@@ -139,12 +145,8 @@ def grouped_config(shape: Tuple[int, int, int, int, int], dtype_name: str, num_t
     elif shape == QWEN38_TP4_SHAPE and num_tokens in _QWEN38_TP4_GROUPED:
         config = _QWEN38_TP4_GROUPED[num_tokens]
     else:
-        rows = num_tokens * shape[1]
-        config = GroupedConfig(split_k=16, w13_block_n=128, fuse_compaction=rows <= FUSED_COMPACTION_DEFAULT_MAX_ROWS)
-    rows = num_tokens * shape[1]
-    if rows > FUSED_COMPACTION_MAX_ROWS and config.fuse_compaction:
-        config = dataclasses.replace(config, fuse_compaction=False)
-    return config.fitted(shape[4])
+        config = GroupedConfig()
+    return config.fitted(shape[4], shape[2])
 
 
 def dense_config(shape: Tuple[int, int, int, int, int], num_tokens: int) -> DenseConfig:
@@ -161,14 +163,12 @@ def dense_config(shape: Tuple[int, int, int, int, int], num_tokens: int) -> Dens
 
 
 def grouped_candidates() -> Tuple[GroupedConfig, ...]:
-    """The small search space of the opt-in autotune."""
-    out = []
-    for split_k in (4, 8, 16):
-        for w13_block_n in (64, 128):
-            for w2_block_k in (128, 256, 512):
-                for fuse in (True, False):
-                    out.append(GroupedConfig(split_k=split_k, w13_block_n=w13_block_n, w2_block_k=w2_block_k, fuse_compaction=fuse))
-    return tuple(out)
+    """The small search space of the opt-in autotune (and of `bench --sweep`)."""
+    return tuple(
+        GroupedConfig(w13_block_k=w13_block_k, w13_warps=w13_warps, w2_block_k=w2_block_k, w2_warps=w2_warps)
+        for w13_block_k, w13_warps in ((256, 1), (128, 1))
+        for w2_block_k, w2_warps in ((128, 1), (64, 1), (128, 2), (256, 2))
+    )
 
 
 def tuned_config(shape, dtype_name: str, num_tokens: int) -> Optional[GroupedConfig]:

@@ -47,7 +47,7 @@ def launch_grouped(hidden_states, topk_weights, topk_ids, w13_qweight, w13_scale
     grouped.grouped_decode(
         hidden_states, topk_weights.contiguous(), topk_ids.contiguous(),
         w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size,
-        views.sorted_rows, views.segment_opens, views.active_experts, views.segment_offsets, views.live_count,
+        views.sorted_rows, views.sorted_experts, views.active_experts, views.segment_offsets, views.live_count,
         views.gate_up_partials, views.row_outputs, out, config,
     )
 
@@ -132,11 +132,7 @@ def _tune_grouped(hidden_states, topk_weights, weights: Sequence[torch.Tensor], 
     args = (hidden_states[:num_tokens], topk_weights[:num_tokens], None, *weights, group_size)
     best, best_us = None, float("inf")
     for candidate in configs.grouped_candidates():
-        if candidate.split_k > configs.MAX_SPLIT_K:
-            continue
-        if candidate.fuse_compaction and num_tokens * top_k > configs.FUSED_COMPACTION_MAX_ROWS:
-            continue
-        us = _time_grouped(args, workspace, candidate.fitted(group_size), routings)
+        us = _time_grouped(args, workspace, candidate.fitted(group_size, shape[2]), routings)
         if us < best_us:
             best, best_us = candidate, us
     log.info("moe_grouped_decode: tuned %s M=%d -> %s (%.2f us)", shape, num_tokens, best, best_us)

@@ -12,13 +12,13 @@ Layout for capacity R rows (every region starts on a 64-byte boundary)::
     sorted_rows     [R]        int32  routed row ids (t * k + j) grouped by expert
     active_experts  [R]        int32  expert id of segment a (first A are live)
     segment_offsets [R + 1]    int32  segment a is sorted_rows[offsets[a]:offsets[a+1]]
-    segment_opens   [R]        int32  CUDA compaction scratch: 1 where a sorted row opens a segment
+    sorted_experts  [R]        int32  CUDA compaction scratch: the expert of each sorted position
     activations     [R, N]     fp32   silu(gate) * up, one row per routed row (CPU implementation)
     row_outputs     [R, K]     fp32   W2 output per routed row, before the combine
-    gate_up_partials [S, R, 2N] fp32  CUDA W13 split-K partial sums, S = MAX_SPLIT_K splits
+    gate_up_partials [S, R, 2N] fp32  CUDA W13 split-K partial sums, room for S = MAX_SPLIT_K splits
 
-The CUDA kernels keep the activations as W13 partials (the W2 kernel sums them
-in a fixed order), so they leave ``activations`` unused; the CPU
+The CUDA kernels keep the activations as W13 partials (every W2 program sums
+its row's in a fixed order), so they leave ``activations`` unused; the CPU
 implementation uses no partials.
 """
 
@@ -50,7 +50,7 @@ class WorkspaceLayout:
             ("sorted_rows", R),
             ("active_experts", R),
             ("segment_offsets", R + 1),
-            ("segment_opens", R),
+            ("sorted_experts", R),
             ("activations", R * N),
             ("row_outputs", R * K),
             ("gate_up_partials", MAX_SPLIT_K * R * 2 * N),
@@ -97,7 +97,7 @@ class WorkspaceViews:
     sorted_rows: torch.Tensor
     active_experts: torch.Tensor
     segment_offsets: torch.Tensor
-    segment_opens: torch.Tensor
+    sorted_experts: torch.Tensor
     activations: torch.Tensor  # fp32 [R, N]
     row_outputs: torch.Tensor  # fp32 [R, K]
     gate_up_partials: torch.Tensor  # fp32 [MAX_SPLIT_K * R * 2N], flat
@@ -114,7 +114,7 @@ def workspace_views(workspace: torch.Tensor, rows: int, hidden_size: int, interm
         sorted_rows=views["sorted_rows"],
         active_experts=views["active_experts"],
         segment_offsets=views["segment_offsets"],
-        segment_opens=views["segment_opens"],
+        sorted_experts=views["sorted_experts"],
         activations=views["activations"].view(torch.float32).view(rows, intermediate_size),
         row_outputs=views["row_outputs"].view(torch.float32).view(rows, hidden_size),
         gate_up_partials=views["gate_up_partials"].view(torch.float32),
