@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 from moe_grouped_decode.awq import slice_tp, synthetic_moe_weights  # noqa: E402
 from moe_grouped_decode.ops import alloc_workspace, error_stats, reference_moe  # noqa: E402
+from moe_grouped_decode.ops.cuda import graph_replay_us  # noqa: E402
 
 WORLD = 4
 E, TOP_K, K, FULL_N, G = 512, 10, 2560, 640, 32
@@ -57,32 +58,6 @@ def full_checkpoint(dtype, device):
 
 def grouped(x, tw, ids, shard, workspace):
     return torch.ops.moe_grouped_decode.awq_moe_grouped_decode(x, tw, ids, *shard.op_args(), workspace)
-
-
-def graph_time_us(step, layers: int, reps: int = 30) -> float:
-    """Median us per layer of a CUDA graph running step(l) for every layer."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(layers):
-            step(layer)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for layer in range(layers):
-                step(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / layers)
-    return sorted(times)[len(times) // 2]
 
 
 def check_rows(partials_by_rank, full_cpu, x, tw, ids, dtype_name, M):
@@ -122,7 +97,7 @@ def single_gpu(args) -> dict:
     for M in TOKENS:
         inputs = [routing(M, seed=100 * M + layer) for layer in range(args.layers)]
         inputs = [(x.half().to(device), tw.to(device), ids.to(device)) for x, tw, ids in inputs]
-        us = graph_time_us(lambda l: grouped(*inputs[l], layers[l], workspace), args.layers)
+        us = graph_replay_us(lambda l: grouped(*inputs[l], layers[l], workspace), args.layers)
         timings.append({"M": M, "rank_op_us": us, "allreduce_us": None})
         print(f"[tp4] timing fp16 M={M}: per-rank op {us:.2f} us/layer (all-reduce: n/a on one GPU)", flush=True)
     return {"mode": "single-gpu (4 shards in turn, summed on the device)", "gpu": torch.cuda.get_device_name(),
@@ -165,9 +140,9 @@ def _worker(rank: int, args, result_path: str) -> None:
         inputs = [routing(M, seed=100 * M + layer) for layer in range(args.layers)]
         inputs = [(x.half().to(device), tw.to(device), ids.to(device)) for x, tw, ids in inputs]
         outs = [torch.empty(M, K, dtype=torch.float16, device=device) for _ in range(args.layers)]
-        op_us = graph_time_us(lambda l: grouped(*inputs[l], layers[l], workspace), args.layers)
+        op_us = graph_replay_us(lambda l: grouped(*inputs[l], layers[l], workspace), args.layers)
         dist.barrier()
-        ar_us = graph_time_us(lambda l: dist.all_reduce(outs[l]), args.layers)
+        ar_us = graph_replay_us(lambda l: dist.all_reduce(outs[l]), args.layers)
         if rank == 0:
             timings.append({"M": M, "rank_op_us": op_us, "allreduce_us": ar_us})
             print(f"[tp4] timing fp16 M={M}: per-rank op {op_us:.2f} us/layer, all-reduce {ar_us:.2f} us/layer", flush=True)

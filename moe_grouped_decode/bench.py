@@ -23,12 +23,13 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 
 from .awq import synthetic_moe_weights
 from .contract import QWEN38_TP4
+from .ops.cuda import graph_replay_us
 
 BYTES_PER_EXPERT_NOTE = "packed int4 + scales + zeros of W13 and W2"
 
@@ -41,34 +42,6 @@ def _random_routing(M: int, top_k: int, E: int, gen: torch.Generator):
     ids = torch.rand(M, E, generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
     tw = torch.rand(M, top_k, generator=gen)
     return ids, tw / tw.sum(1, keepdim=True)
-
-
-def _time_graph(step: Callable[[int], None], layers: int, reps: int) -> float:
-    """Median microseconds per layer of a graph running ``step(l)`` for every layer."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(layers):  # compile and allocate outside the capture
-            step(layer)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for layer in range(layers):
-                step(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / layers)
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def _vllm_status() -> str:
@@ -136,7 +109,7 @@ def run(args) -> Dict:
 
         columns["dense"] = dense
         for name, step in columns.items():
-            row[f"{name}_us"] = _time_graph(step, args.layers, args.reps)
+            row[f"{name}_us"] = graph_replay_us(step, args.layers, args.reps)
             print(f"[bench] M={M:<5} {name:<8} {row[f'{name}_us']:8.2f} us/layer  ({time.time() - t0:.0f}s)", flush=True)
         bytes_read = mean_active * per_expert
         for name in ("grouped", "dense", "floor2", "floor1"):
@@ -196,7 +169,7 @@ def _sweep(args, layers, workspace, gen) -> List[Dict]:
             def step(layer, config=config):
                 launch_grouped(xs[layer], tws[layer], ids[layer], *layers[layer].op_args(), workspace, out, config)
 
-            us = _time_graph(step, args.layers, args.reps)
+            us = graph_replay_us(step, args.layers, args.reps)
             timed.append((us, error, config))
             results.append({"M": M, "us": us, "scaled_diff_vs_dense": error, **config.__dict__})
         timed.sort(key=lambda t: t[0])
@@ -236,7 +209,7 @@ def _breakdown(args, layers, workspace, gen) -> List[Dict]:
                     views.row_outputs, out, config, stages=stages)
 
             name = "+".join(stages)
-            row[name] = _time_graph(step, args.layers, args.reps)
+            row[name] = graph_replay_us(step, args.layers, args.reps)
             print(f"[breakdown] M={M} {name:<24} {row[name]:8.2f} us/layer", flush=True)
         results.append(row)
     return results

@@ -9,7 +9,7 @@ compiles every kernel variant (and, opt-in, autotunes) before CUDA-graph capture
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -89,31 +89,48 @@ def _random_routing(num_tokens: int, top_k: int, num_experts: int, device, gener
     return scores.topk(top_k, dim=1).indices.to(torch.int32)
 
 
-def _time_grouped(args, workspace, config, routings, reps: int = 20) -> float:
-    """Median microseconds of one grouped call under CUDA-graph replay, cycling routings
-    over all E experts so that the active experts' weights mostly miss L2."""
-    hidden_states, topk_weights, _, *weights = args
-    out = torch.empty_like(hidden_states)
+def graph_replay_us(step: Callable[[int], None], calls: int, replays: int = 30) -> float:
+    """Median microseconds per call of one CUDA graph that runs ``step(i)`` for i < ``calls``.
+
+    Every call runs once before the capture (Triton compiles, the allocator
+    settles); the benchmark, the TP4 check and the autotune all time this way.
+    """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for ids in routings[:2]:  # compile and settle outside the capture
-            launch_grouped(hidden_states, topk_weights, ids, *weights, workspace, out, config)
+        for i in range(calls):
+            step(i)
+        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            for ids in routings:
-                launch_grouped(hidden_states, topk_weights, ids, *weights, workspace, out, config)
+            for i in range(calls):
+                step(i)
     torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        graph.replay()
     times = []
-    for _ in range(reps):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(routings))
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    del graph
     return sorted(times)[len(times) // 2]
+
+
+def _time_grouped(args, workspace, config, routings, replays: int = 20) -> float:
+    """Median microseconds of one grouped call under CUDA-graph replay, cycling routings
+    over all E experts so that the active experts' weights mostly miss L2."""
+    hidden_states, topk_weights, _, *weights = args
+    out = torch.empty_like(hidden_states)
+
+    def step(i: int) -> None:
+        launch_grouped(hidden_states, topk_weights, routings[i], *weights, workspace, out, config)
+
+    return graph_replay_us(step, len(routings), replays)
 
 
 def _tune_grouped(hidden_states, topk_weights, weights: Sequence[torch.Tensor], group_size, workspace, num_tokens) -> None:
