@@ -5,6 +5,13 @@ import pytest
 from moe_grouped_decode.env import GROUPED_DECODE_ENV, TUNE_ENV, GroupedDecodeMode, grouped_decode_mode, tune_enabled
 
 
+def set_or_unset(monkeypatch, name, value):
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+
+
 @pytest.mark.parametrize(
     "value,mode",
     [
@@ -17,10 +24,7 @@ from moe_grouped_decode.env import GROUPED_DECODE_ENV, TUNE_ENV, GroupedDecodeMo
     ],
 )
 def test_grouped_decode_mode(monkeypatch, value, mode):
-    if value is None:
-        monkeypatch.delenv(GROUPED_DECODE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(GROUPED_DECODE_ENV, value)
+    set_or_unset(monkeypatch, GROUPED_DECODE_ENV, value)
     assert grouped_decode_mode() is mode
     assert mode.enabled is (mode is not GroupedDecodeMode.OFF)
 
@@ -33,8 +37,5 @@ def test_unknown_value_is_an_error_not_a_guess(monkeypatch):
 
 @pytest.mark.parametrize("value,enabled", [(None, False), ("0", False), ("1", True)])
 def test_tune_default_off(monkeypatch, value, enabled):
-    if value is None:
-        monkeypatch.delenv(TUNE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(TUNE_ENV, value)
+    set_or_unset(monkeypatch, TUNE_ENV, value)
     assert tune_enabled() is enabled
