@@ -201,12 +201,11 @@ def _breakdown(args, layers, workspace, gen) -> List[Dict]:
         out = torch.empty_like(xs[0])
         views = workspace_views(workspace, M * c.top_k, c.hidden_size, c.intermediate_size)
         row = {"M": M, "config": dataclasses.asdict(config)}
-        for stages in (grouped_kernels.STAGES, ("w13",), ("w2",), ("combine",)):
+        launched = grouped_kernels.launched_stages(config)
+        for stages in (launched,) + tuple((stage,) for stage in launched):
             def step(layer, stages=stages):
                 grouped_kernels.grouped_decode(
-                    xs[layer], tws[layer], ids[layer], *layers[layer].op_args(), views.sorted_rows, views.sorted_experts,
-                    views.active_experts, views.segment_offsets, views.live_count, views.gate_up_partials,
-                    views.row_outputs, out, config, stages=stages)
+                    xs[layer], tws[layer], ids[layer], *layers[layer].op_args(), views, out, config, stages=stages)
 
             name = "+".join(stages)
             row[name] = graph_replay_us(step, args.layers, args.reps)

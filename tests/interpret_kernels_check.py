@@ -73,9 +73,7 @@ def run_grouped(weights, x, tw, ids, config: GroupedConfig):
     views = workspace_views(workspace, M * k, K, N)
     out = output_buffer(x)
     grouped.grouped_decode(
-        x, tw, ids, *weights.op_args(), views.sorted_rows, views.sorted_experts, views.active_experts,
-        views.segment_offsets, views.live_count, views.gate_up_partials, views.row_outputs, out,
-        config.fitted(weights.group_size, K),
+        x, tw, ids, *weights.op_args(), views, out, config.fitted(weights.group_size, K),
     )
     return out, views
 
@@ -92,6 +90,8 @@ def main() -> None:
         # N // G = 3 groups: W2 in chunks of 2 + 1; K // G = 6 groups in splits of 4 (the last half masked);
         # 2N = 96 and K = 96 columns: the second W13 and W2 column tiles are partly masked
         (8, 2, 96, 48, 16, 3, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w13_warps=2, w2_warps=2)),
+        # the combine as its own launch (not fused into W2): multi-row segments, two W2 column tiles
+        (8, 3, 96, 48, 16, 4, "single_hot", torch.float16, dataclasses.replace(base, fused_combine=False)),
     ]
     for E, k, K, N, G, M, pattern, dtype, config in cases:
         weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + M)

@@ -214,3 +214,34 @@ def test_position_and_neighbour_independence(layer, workspace):
         outputs.append(run_grouped(x, tw, ids, weights, workspace)[position].clone())
     for other in outputs[1:]:
         assert torch.equal(other.view(torch.int16), outputs[0].view(torch.int16))
+
+
+# (fused_combine, pdl): why
+LAUNCH_VARIANTS = [
+    (False, False),  # three plain launches (W13, W2, combine): the v4 structure
+    (False, True),  # three launches chained by programmatic dependent launch
+    (True, False),  # the combine inside W2 (arrival counters), plain launches
+]
+
+
+@pytest.mark.parametrize("fused_combine,pdl", LAUNCH_VARIANTS)
+def test_launch_variants_give_the_default_bits(layer, workspace, fused_combine, pdl):
+    """Fusing the combine and PDL change launches, not arithmetic: the same bits as the
+    default config (fused + PDL), on routing where tokens share experts."""
+    import dataclasses
+
+    from moe_grouped_decode.kernels import configs
+    from moe_grouped_decode.ops.cuda import launch_grouped
+
+    weights, _ = layer
+    gen = torch.Generator().manual_seed(5)
+    M = 8
+    x = activations(M, weights.dtype, gen)
+    ids, tw = routing("round_robin", M, gen)
+    default = run_grouped(x, tw, ids, weights, workspace).clone()
+    shape = (E, TOP_K, K, N, G)
+    config = dataclasses.replace(configs.grouped_config(shape, "fp16", M), fused_combine=fused_combine, pdl=pdl)
+    out = torch.full_like(x, float("nan"))
+    workspace.fill_(-1)
+    launch_grouped(x, tw, ids, *weights.op_args(), workspace, out, config)
+    assert torch.equal(out.view(torch.int16), default.view(torch.int16))

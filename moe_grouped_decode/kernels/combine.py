@@ -7,26 +7,36 @@ import triton.language as tl
 
 
 @triton.jit
-def _combine_kernel(row_out_ptr, topk_weights_ptr, out_ptr, stride_om,
-                    TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Sums in j order in float32: a token's bits depend on its own rows only."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    col_ok = cols < K
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+def combine_tile(row_out_ptr, topk_weights_ptr, out_ptr, stride_om, t, cols, col_ok,
+                 TOP_K: tl.constexpr, K: tl.constexpr):
+    """Columns ``cols`` of token t's output, summed in j order in float32: a token's bits
+    depend on its own rows only. Row outputs are read from L2 (``.cg``): the grouped
+    op's fused combine reads rows that other programs of the same launch wrote."""
+    t = t.to(tl.int64)
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         weight = tl.load(topk_weights_ptr + t * TOP_K + j).to(tl.float32)
-        acc += weight * tl.load(row_out_ptr + (t * TOP_K + j) * K + cols, mask=col_ok, other=0.0)
+        acc += weight * tl.load(row_out_ptr + (t * TOP_K + j) * K + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
     tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _combine_kernel(row_out_ptr, topk_weights_ptr, out_ptr, stride_om,
+                    TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if USE_PDL:  # launched while the previous kernel may still run: wait for its row outputs
+        tl.extra.cuda.gdc_wait()
+    combine_tile(row_out_ptr, topk_weights_ptr, out_ptr, stride_om, tl.program_id(0), cols, cols < K, TOP_K, K)
 
 
 COMBINE_BLOCK = 256
 
 
-def combine_rows(row_outputs, topk_weights, out) -> None:
+def combine_rows(row_outputs, topk_weights, out, use_pdl: bool = False) -> None:
     """row_outputs float32 [M * k, K], topk_weights [M, k] contiguous -> out [M, K]."""
     M, K = out.shape
     _combine_kernel[(M, triton.cdiv(K, COMBINE_BLOCK))](
         row_outputs, topk_weights, out, out.stride(0),
-        TOP_K=topk_weights.shape[1], K=K, BLOCK_K=COMBINE_BLOCK, num_warps=2,
+        TOP_K=topk_weights.shape[1], K=K, BLOCK_K=COMBINE_BLOCK, USE_PDL=use_pdl, num_warps=2,
+        **({"launch_pdl": True} if use_pdl else {}),
     )

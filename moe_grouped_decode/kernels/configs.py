@@ -30,6 +30,8 @@ class GroupedConfig:
     w13_warps: int = 1
     w2_block_k: int = 128  # W2: output columns per program (8 per packed int32; a power of two of int32s)
     w2_warps: int = 1
+    fused_combine: bool = True  # the combine inside the W2 launch (last-arriving program per token tile)
+    pdl: bool = True  # programmatic dependent launch between the op's launches (used on Hopper and newer)
 
     def w13_splits(self, hidden_size: int, group_size: int) -> int:
         """W13 programs per (row, column tile) along K: the partial sums the W2 kernel adds in order."""

@@ -1,38 +1,67 @@
-"""Compact active-expert grouped decode: W13 (+ compaction), W2 + SiLU, combine.
+"""Compact active-expert grouped decode: W13 (+ compaction), then W2 + SiLU + combine.
 
-Launches (no host sync; every grid is sized by the static R = M * k rows):
+Launches (no host sync; every grid is sized by the static R = M * k rows)::
 
-1. W13: program 0 sorts the R routed rows by (expert, row) and writes the
-   compaction (``sorted_rows``, ``active_experts``, ``segment_offsets``,
-   ``live_count``); every other program takes one (routed row, K-split,
-   column tile): ONE load of its whole-group tile of W13[topk_ids[row]]
-   (rows x packed columns), its x slice, zeros and scales, then eight
-   nibble-plane reductions, and float32 partial sums ``partials[s, row, 2N]``.
-   Programs index experts by routed row, so they need no compaction first;
-   rows that share an expert read it again from L2 (the layer's active W13 is
-   ~36 MB at M = 8, under the 60 MB of an H200), not from DRAM.
-2. W2: programs over (routed row, output column tile): the row's
-   act = silu(gate) * up from the K-split partials summed in split order,
-   W2[topk_ids[row]] in one load per group chunk -> float32 ``row_outputs[row]``.
-3. combine: out[t] = sum_j topk_weights[t, j] * row_outputs[t*k + j], j in order.
+    topk_ids, x ──> [W13] program 0: sort rows by (expert, row) -> compaction,
+                    │     zero the combine counters
+                    │     programs (row, K-split, tile): W13[topk_ids[row]] tile
+                    │     -> float32 partials[s, row, 2N]
+                    ▼
+                  [W2]  programs (row, column tile): weight loads first (PDL:
+                          while W13 finishes), then act = silu(gate) * up from
+                          the partials summed in split order, then -> float32
+                          row_outputs[row]; the last of a token's k programs on
+                          a tile (int32 arrival counter) writes
+                          out[t, tile] = sum_j topk_weights[t, j] * row_outputs[t*k + j]
 
-A token's output depends only on its own activations, routing and weights
-(fixed summation orders, no atomics): bit-identical across runs and batch
-positions.
+1. W13: every program but 0 takes one (routed row, K-split, column tile): ONE
+   load of its whole-group tile of W13[topk_ids[row]] (rows x packed columns),
+   its x slice, zeros and scales, then eight nibble-plane reductions. Programs
+   index experts by routed row, so they need no compaction first; rows that
+   share an expert read it again from L2 (the layer's active W13 is ~36 MB at
+   M = 8, under the 60 MB of an H200), not from DRAM.
+2. W2 (+ combine): see above. Without ``fused_combine`` the combine is a third
+   launch (``combine.py``). With ``pdl`` (Hopper and newer) each launch lets the
+   next one start early (programmatic dependent launch); the next one waits for
+   it before reading what it wrote.
+
+A token's output depends only on its own activations, routing and weights:
+fixed summation orders, and the only atomics are integer arrival counts (which
+program combines changes, the j-ordered sum it computes does not), so outputs
+are bit-identical across runs and batch positions.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Tuple
 
+import torch
 import triton
 import triton.language as tl
 
 from .awq_tiles import load_group_tile, load_plane_scales, nibble_plane_dot, plane_columns, silu_mul
-from .combine import combine_rows
+from .combine import combine_rows, combine_tile
 from .configs import GroupedConfig
 
 _PAD_KEY = tl.constexpr(1 << 62)  # sort key of padding rows: past every (expert, row) key
+
+
+@triton.jit
+def _let_next_launch_start(USE_PDL: tl.constexpr):
+    """Programmatic dependent launch: the next launch's programs may start now (they
+    wait in ``_wait_for_previous_launch`` before reading anything this one writes)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _wait_for_previous_launch(USE_PDL: tl.constexpr):
+    """Block until the previous launch has finished and its writes are visible."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
 
 
 @triton.jit
@@ -76,18 +105,25 @@ def _w13_kernel(
     partials_ptr,
     rows,
     sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr,
+    arrivals_ptr, num_arrivals,
     TOP_K: tl.constexpr, K: tl.constexpr, TWO_N: tl.constexpr, G: tl.constexpr,
-    GROUPS: tl.constexpr, WORDS: tl.constexpr, R_PAD: tl.constexpr,
+    GROUPS: tl.constexpr, WORDS: tl.constexpr, R_PAD: tl.constexpr, ARRIVALS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols].
 
-    Program 0 writes the compaction; program 1 + ((row * SPLITS) + s) * TILES + tile
-    does the GROUPS * G rows of split s and the 8 * WORDS columns of ``tile``.
+    Program 0 writes the compaction and zeroes the W2 launch's ``num_arrivals``
+    combine counters; program 1 + ((row * SPLITS) + s) * TILES + tile does the
+    GROUPS * G rows of split s and the 8 * WORDS columns of ``tile``.
     """
+    _let_next_launch_start(USE_PDL)
     pid = tl.program_id(0)
     if pid == 0:
         _compact_rows(ids_ptr, rows, sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr,
                       live_count_ptr, R_PAD)
+        if ARRIVALS_PAD > 0:
+            a = tl.arange(0, ARRIVALS_PAD)
+            tl.store(arrivals_ptr + a, tl.zeros([ARRIVALS_PAD], dtype=tl.int32), mask=a < num_arrivals)
         return
     PACKED_N: tl.constexpr = TWO_N // 8
     NUM_GROUPS: tl.constexpr = K // G
@@ -136,15 +172,22 @@ def _w2_rows_kernel(
     qweight_ptr, scales_ptr, qzeros_ptr,
     row_out_ptr,
     rows,
+    topk_weights_ptr, out_ptr, stride_om, arrivals_ptr,
     K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr, WORDS: tl.constexpr,
-    GROUPS_A: tl.constexpr, GROUPS_B: tl.constexpr,
+    GROUPS_A: tl.constexpr, GROUPS_B: tl.constexpr, TOP_K: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32.
 
     The N // G groups of W2 rows are two power-of-two chunks (GROUPS_A, then
-    GROUPS_B padded, 0 for none); every load (weights, zeros, scales, partials)
-    issues before any arithmetic, so all of a program's bytes are in flight at once.
+    GROUPS_B padded, 0 for none). Every weight load issues before the wait for
+    the W13 launch and before any arithmetic, so all of a program's weight bytes
+    are in flight while W13 finishes. With FUSED_COMBINE, the last of a token's
+    k programs on a column tile to arrive (an int32 counter per (token, tile),
+    zeroed by the W13 launch) sums the token's k row outputs of that tile in j
+    order into ``out``.
     """
+    _let_next_launch_start(USE_PDL)
     row = tl.program_id(0)
     tile = tl.program_id(1)
     PACKED_K: tl.constexpr = K // 8
@@ -164,6 +207,7 @@ def _w2_rows_kernel(
         ok_b = groups_b < NUM_GROUPS
         _, packed_b, zeros_b = load_group_tile(qweight_base, qzeros_base, groups_b, ok_b, words, word_ok, G, PACKED_K)
         scales_b = load_plane_scales(scales_base, groups_b, ok_b, words, word_ok, K)
+    _wait_for_previous_launch(USE_PDL)
     act_a = _act_of_groups(partials_ptr, row, rows, groups_a, ok_a, G, N, SPLITS)
     if GROUPS_B > 0:
         act_b = _act_of_groups(partials_ptr, row, rows, groups_b, ok_b, G, N, SPLITS)
@@ -172,6 +216,13 @@ def _w2_rows_kernel(
         if GROUPS_B > 0:
             acc += nibble_plane_dot(packed_b, zeros_b, act_b, scales_b[nibble], nibble)
         tl.store(row_out_ptr + row * K + plane_columns(words, nibble), acc, mask=word_ok)
+    if FUSED_COMBINE:
+        token = row // TOP_K
+        tl.debug_barrier()  # every thread's row_out stores happen before the release below
+        arrived = tl.atomic_add(arrivals_ptr + token * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == TOP_K - 1:
+            cols = tile * (8 * WORDS) + tl.arange(0, 8 * WORDS)
+            combine_tile(row_out_ptr, topk_weights_ptr, out_ptr, stride_om, token, cols, cols < K, TOP_K, K)
 
 
 def _next_pow2(n: int) -> int:
@@ -192,6 +243,17 @@ def w2_group_chunks(num_groups: int) -> Tuple[int, int]:
 STAGES = ("w13", "w2", "combine")
 
 
+def launched_stages(config: GroupedConfig) -> Tuple[str, ...]:
+    """The stages that are launches of their own under ``config``."""
+    return STAGES if not config.fused_combine else ("w13", "w2")
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs Hopper or newer and compiled kernels."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def compact(topk_ids, sorted_rows, sorted_experts, active_experts, segment_offsets, live_count) -> None:
     """Launch the compaction alone (one program) over topk_ids' M*k rows; the grouped
     op does it inside its W13 launch, the benchmark's read floor uses this."""
@@ -205,48 +267,56 @@ def compact(topk_ids, sorted_rows, sorted_experts, active_experts, segment_offse
 def grouped_decode(
     hidden_states, topk_weights, topk_ids,
     w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size: int,
-    sorted_rows, sorted_experts, active_experts, segment_offsets, live_count, partials, row_outputs,
-    out, config: GroupedConfig, stages: Tuple[str, ...] = STAGES,
+    scratch, out, config: GroupedConfig, stages: Tuple[str, ...] = STAGES,
 ) -> None:
-    """Launch the grouped decode into ``out`` [M, K]; scratch tensors come from the workspace.
+    """Launch the grouped decode into ``out`` [M, K].
 
-    ``config`` must be ``fitted`` to the shape. ``partials`` is float32 with room for
-    ``config.w13_splits(K, G) * M * k * 2N``, ``row_outputs`` float32 [M * k, K];
-    ``sorted_experts`` int32 scratch [M * k]; topk_ids and topk_weights must be
-    contiguous [M, k]. ``stages`` launches a subset, for the benchmark's per-kernel
-    breakdown only.
+    ``scratch`` holds the workspace regions as attributes (``ops.workspace_views``):
+    int32 ``sorted_rows``, ``sorted_experts`` (compaction scratch), ``active_experts``,
+    ``segment_offsets``, ``live_count``, ``combine_arrivals`` (>= M * K // 8);
+    float32 ``gate_up_partials`` (>= config.w13_splits(K, G) * M * k * 2N, flat) and
+    ``row_outputs`` [M * k, K]. ``config`` must be
+    ``fitted`` to the shape; topk_ids and topk_weights contiguous [M, k].
+    ``stages`` launches a subset, for the benchmark's per-kernel breakdown only.
     """
     M, K = hidden_states.shape
     top_k = topk_ids.shape[1]
     N = w2_qweight.shape[1]
     G = group_size
     rows = M * top_k
-    groups_per_split = config.w13_block_k // G
     splits = config.w13_splits(K, G)
     w13_words = config.w13_block_n // 8
+    w2_tiles = triton.cdiv(K, config.w2_block_k)
+    use_pdl = config.pdl and pdl_supported(hidden_states.device)
+    pdl_launch = {"launch_pdl": True} if use_pdl else {}
+    num_arrivals = M * w2_tiles if config.fused_combine else 0
     if "w13" in stages:
         _w13_kernel[(1 + rows * splits * triton.cdiv(2 * N // 8, w13_words),)](
             hidden_states, hidden_states.stride(0),
             topk_ids,
             w13_qweight, w13_scales, w13_qzeros,
-            partials,
+            scratch.gate_up_partials,
             rows,
-            sorted_rows, sorted_experts, active_experts, segment_offsets, live_count,
+            scratch.sorted_rows, scratch.sorted_experts, scratch.active_experts, scratch.segment_offsets,
+            scratch.live_count, scratch.combine_arrivals, num_arrivals,
             TOP_K=top_k, K=K, TWO_N=2 * N, G=G,
-            GROUPS=groups_per_split, WORDS=w13_words, R_PAD=max(16, _next_pow2(rows)),
+            GROUPS=config.w13_block_k // G, WORDS=w13_words, R_PAD=max(16, _next_pow2(rows)),
+            ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, USE_PDL=use_pdl,
             num_warps=config.w13_warps,
         )
     if "w2" in stages:
         groups_a, groups_b = w2_group_chunks(N // G)
-        _w2_rows_kernel[(rows, triton.cdiv(K, config.w2_block_k))](
+        _w2_rows_kernel[(rows, w2_tiles)](
             topk_ids,
-            partials,
+            scratch.gate_up_partials,
             w2_qweight, w2_scales, w2_qzeros,
-            row_outputs,
+            scratch.row_outputs,
             rows,
+            topk_weights, out, out.stride(0), scratch.combine_arrivals,
             K=K, N=N, G=G, SPLITS=splits, WORDS=config.w2_block_k // 8,
-            GROUPS_A=groups_a, GROUPS_B=groups_b,
-            num_warps=config.w2_warps,
+            GROUPS_A=groups_a, GROUPS_B=groups_b, TOP_K=top_k,
+            FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
+            num_warps=config.w2_warps, **pdl_launch,
         )
-    if "combine" in stages:
-        combine_rows(row_outputs, topk_weights, out)
+    if not config.fused_combine and "combine" in stages:
+        combine_rows(scratch.row_outputs, topk_weights, out, use_pdl)

@@ -47,8 +47,7 @@ def launch_grouped(hidden_states, topk_weights, topk_ids, w13_qweight, w13_scale
     grouped.grouped_decode(
         hidden_states, topk_weights.contiguous(), topk_ids.contiguous(),
         w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size,
-        views.sorted_rows, views.sorted_experts, views.active_experts, views.segment_offsets, views.live_count,
-        views.gate_up_partials, views.row_outputs, out, config,
+        views, out, config,
     )
 
 

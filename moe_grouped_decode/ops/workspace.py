@@ -13,6 +13,7 @@ Layout for capacity R rows (every region starts on a 64-byte boundary)::
     active_experts  [R]        int32  expert id of segment a (first A are live)
     segment_offsets [R + 1]    int32  segment a is sorted_rows[offsets[a]:offsets[a+1]]
     sorted_experts  [R]        int32  CUDA compaction scratch: the expert of each sorted position
+    combine_arrivals [R, K/8]  int32  CUDA fused combine: W2 programs arrived per (token, column tile)
     activations     [R, N]     fp32   silu(gate) * up, one row per routed row (CPU implementation)
     row_outputs     [R, K]     fp32   W2 output per routed row, before the combine
     gate_up_partials [S, R, 2N] fp32  CUDA W13 split-K partial sums, room for S = MAX_SPLIT_K splits
@@ -51,6 +52,7 @@ class WorkspaceLayout:
             ("active_experts", R),
             ("segment_offsets", R + 1),
             ("sorted_experts", R),
+            ("combine_arrivals", R * -(-K // 8)),
             ("activations", R * N),
             ("row_outputs", R * K),
             ("gate_up_partials", MAX_SPLIT_K * R * 2 * N),
@@ -98,6 +100,7 @@ class WorkspaceViews:
     active_experts: torch.Tensor
     segment_offsets: torch.Tensor
     sorted_experts: torch.Tensor
+    combine_arrivals: torch.Tensor
     activations: torch.Tensor  # fp32 [R, N]
     row_outputs: torch.Tensor  # fp32 [R, K]
     gate_up_partials: torch.Tensor  # fp32 [MAX_SPLIT_K * R * 2N], flat
@@ -115,6 +118,7 @@ def workspace_views(workspace: torch.Tensor, rows: int, hidden_size: int, interm
         active_experts=views["active_experts"],
         segment_offsets=views["segment_offsets"],
         sorted_experts=views["sorted_experts"],
+        combine_arrivals=views["combine_arrivals"],
         activations=views["activations"].view(torch.float32).view(rows, intermediate_size),
         row_outputs=views["row_outputs"].view(torch.float32).view(rows, hidden_size),
         gate_up_partials=views["gate_up_partials"].view(torch.float32),

@@ -1,0 +1,112 @@
+"""The grouped op's launch structure, side by side: 3 launches (v4) vs PDL vs fused combine.
+
+    PYTHONPATH=. python benchmarks/launch_variants.py [VARIANT;VARIANT|all] [M,M,...]
+
+For each M: the v4 structure's eager output on layer 0 is checked against the
+float64 reference; every variant is timed under CUDA-graph replay over 32 layers
+of distinct weights (L2 cold, ``ops.cuda.graph_replay_us``), per stage too, and
+every layer's replayed output is compared with the v4 structure's eager output
+(the variants change launches, not arithmetic: the difference must be 0).
+Also: the cost of a chain of empty launches per layer, with and without PDL.
+"""
+import dataclasses
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+import moe_grouped_decode.ops  # noqa: F401  (registers the ops)
+from moe_grouped_decode.awq import synthetic_moe_weights
+from moe_grouped_decode.bench import _random_routing
+from moe_grouped_decode.contract import QWEN38_TP4 as c
+from moe_grouped_decode.kernels import grouped
+from moe_grouped_decode.kernels.configs import GroupedConfig
+from moe_grouped_decode.ops import alloc_workspace, workspace_views
+from moe_grouped_decode.ops.cuda import graph_replay_us, launch_grouped
+from moe_grouped_decode.ops.reference import error_stats, reference_moe
+
+LAYERS = 32
+
+
+@triton.jit
+def _empty(p, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    if tl.program_id(0) == 0:
+        tl.store(p, 1)
+
+
+def launch_gaps():
+    sink = torch.zeros(4, dtype=torch.int32, device="cuda")
+    for pdl in (False, True):
+        for n in (1, 2, 3, 4):
+            def step(i, n=n, pdl=pdl):
+                for _ in range(n):
+                    _empty[(264,)](sink, USE_PDL=pdl, num_warps=1, **({"launch_pdl": True} if pdl else {}))
+            print(f"[gaps] pdl={pdl} {n} empty launches: {graph_replay_us(step, LAYERS):6.2f} us", flush=True)
+
+
+def main():
+    torch.manual_seed(0)
+    E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
+    t0 = time.time()
+    launch_gaps()
+    layers = [synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000 + i, device="cuda") for i in range(LAYERS)]
+    print(f"[variants] layers built in {time.time() - t0:.0f}s", flush=True)
+    base = GroupedConfig(fused_combine=False, pdl=False)  # v4: W13, W2, combine
+    variants = {
+        "v4": base,
+        "pdl": dataclasses.replace(base, pdl=True),
+        "fused": dataclasses.replace(base, fused_combine=True),
+        "fused+pdl (default)": GroupedConfig(),
+    }
+    only = sys.argv[1].split(";") if len(sys.argv) > 1 and sys.argv[1] != 'all' else None
+    gen = torch.Generator().manual_seed(0)
+    workspace = alloc_workspace(8, k, K, N, "cuda")
+    table = []
+    for M in [int(m) for m in (sys.argv[2] if len(sys.argv) > 2 else '2,4,8').split(',')]:
+        routings = [_random_routing(M, k, E, gen) for _ in range(LAYERS)]
+        ids = [r[0].cuda() for r in routings]
+        tws = [r[1].cuda() for r in routings]
+        xs = [torch.randn(M, K, generator=gen).half().cuda() for _ in range(LAYERS)]
+        outs = [torch.empty_like(x) for x in xs]
+        want = []
+        for i in range(LAYERS):
+            launch_grouped(xs[i], tws[i], ids[i], *layers[i].op_args(), workspace, outs[i], base.fitted(G, K))
+            want.append(outs[i].clone())
+        ref = reference_moe(xs[0], tws[0], ids[0], *layers[0].op_args())
+        s = error_stats(want[0].cpu(), ref)
+        print(f"[variants] M={M} v4 eager vs float64 reference: scaled={s.scaled_max_abs:.2e} ulp={s.max_ulp}", flush=True)
+        for name, config in variants.items():
+            if only and name not in only:
+                continue
+            config = config.fitted(G, K)
+            for o in outs:
+                o.fill_(float("nan"))
+
+            def step(i, config=config):
+                launch_grouped(xs[i], tws[i], ids[i], *layers[i].op_args(), workspace, outs[i], config)
+
+            us = graph_replay_us(step, LAYERS)
+            diff = max(((o.float() - w.float()).abs().max() / w.float().abs().max()).item() for o, w in zip(outs, want))
+            nan = any(torch.isnan(o).any().item() for o in outs)
+            views = workspace_views(workspace, M * k, K, N)
+            stages = {}
+            for stage in grouped.launched_stages(config):
+                def one(i, config=config, stage=stage):
+                    grouped.grouped_decode(xs[i], tws[i], ids[i], *layers[i].op_args(), views, outs[i], config, stages=(stage,))
+                stages[stage] = graph_replay_us(one, LAYERS)
+            table.append((M, name, us, diff, nan, stages))
+            print(f"[variants] M={M} {name:<16} {us:7.2f} us  diff/v4={diff:.1e} nan={nan}  "
+                  + " ".join(f"{s}={t:.2f}" for s, t in stages.items()), flush=True)
+    print("\n| M | variant | us | diff vs v4 | stages |\n| --- | --- | --- | --- | --- |")
+    for M, name, us, diff, nan, stages in table:
+        print(f"| {M} | {name} | {us:.2f} | {diff:.1e}{' NaN' if nan else ''} | "
+              + " ".join(f"{s} {t:.2f}" for s, t in stages.items()) + " |")
+
+
+if __name__ == "__main__":
+    main()
