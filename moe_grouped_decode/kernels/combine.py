@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, wait_for_previous_launch
+
 
 @triton.jit
 def combine_tile(row_out_ptr, topk_weights_ptr, out_ptr, stride_om, t, cols, col_ok,
@@ -24,8 +26,7 @@ def combine_tile(row_out_ptr, topk_weights_ptr, out_ptr, stride_om, t, cols, col
 def _combine_kernel(row_out_ptr, topk_weights_ptr, out_ptr, stride_om,
                     TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    if USE_PDL:  # launched while the previous kernel may still run: wait for its row outputs
-        tl.extra.cuda.gdc_wait()
+    wait_for_previous_launch(USE_PDL)  # the row outputs come from the launch before
     combine_tile(row_out_ptr, topk_weights_ptr, out_ptr, stride_om, tl.program_id(0), cols, cols < K, TOP_K, K)
 
 
@@ -38,5 +39,5 @@ def combine_rows(row_outputs, topk_weights, out, use_pdl: bool = False) -> None:
     _combine_kernel[(M, triton.cdiv(K, COMBINE_BLOCK))](
         row_outputs, topk_weights, out, out.stride(0),
         TOP_K=topk_weights.shape[1], K=K, BLOCK_K=COMBINE_BLOCK, USE_PDL=use_pdl, num_warps=2,
-        **({"launch_pdl": True} if use_pdl else {}),
+        **launch_options(use_pdl),
     )

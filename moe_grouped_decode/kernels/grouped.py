@@ -33,35 +33,17 @@ are bit-identical across runs and batch positions.
 
 from __future__ import annotations
 
-import os
 from typing import Tuple
 
-import torch
 import triton
 import triton.language as tl
 
 from .awq_tiles import load_group_tile, load_plane_scales, nibble_plane_dot, plane_columns, silu_mul
 from .combine import combine_rows, combine_tile
 from .configs import GroupedConfig
+from .pdl import launch_options, let_next_launch_start, pdl_supported, wait_for_previous_launch
 
 _PAD_KEY = tl.constexpr(1 << 62)  # sort key of padding rows: past every (expert, row) key
-
-
-@triton.jit
-def _let_next_launch_start(USE_PDL: tl.constexpr):
-    """Programmatic dependent launch: the next launch's programs may start now (they
-    wait in ``_wait_for_previous_launch`` before reading anything this one writes)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _wait_for_previous_launch(USE_PDL: tl.constexpr):
-    """Block until the previous launch has finished and its writes are visible."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-
-
 
 
 @triton.jit
@@ -116,7 +98,7 @@ def _w13_kernel(
     combine counters; program 1 + ((row * SPLITS) + s) * TILES + tile does the
     GROUPS * G rows of split s and the 8 * WORDS columns of ``tile``.
     """
-    _let_next_launch_start(USE_PDL)
+    let_next_launch_start(USE_PDL)
     pid = tl.program_id(0)
     if pid == 0:
         _compact_rows(ids_ptr, rows, sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr,
@@ -187,7 +169,7 @@ def _w2_rows_kernel(
     zeroed by the W13 launch) sums the token's k row outputs of that tile in j
     order into ``out``.
     """
-    _let_next_launch_start(USE_PDL)
+    let_next_launch_start(USE_PDL)
     row = tl.program_id(0)
     tile = tl.program_id(1)
     PACKED_K: tl.constexpr = K // 8
@@ -207,7 +189,7 @@ def _w2_rows_kernel(
         ok_b = groups_b < NUM_GROUPS
         _, packed_b, zeros_b = load_group_tile(qweight_base, qzeros_base, groups_b, ok_b, words, word_ok, G, PACKED_K)
         scales_b = load_plane_scales(scales_base, groups_b, ok_b, words, word_ok, K)
-    _wait_for_previous_launch(USE_PDL)
+    wait_for_previous_launch(USE_PDL)
     act_a = _act_of_groups(partials_ptr, row, rows, groups_a, ok_a, G, N, SPLITS)
     if GROUPS_B > 0:
         act_b = _act_of_groups(partials_ptr, row, rows, groups_b, ok_b, G, N, SPLITS)
@@ -248,12 +230,6 @@ def launched_stages(config: GroupedConfig) -> Tuple[str, ...]:
     return STAGES if not config.fused_combine else ("w13", "w2")
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch needs Hopper or newer and compiled kernels."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
 def compact(topk_ids, sorted_rows, sorted_experts, active_experts, segment_offsets, live_count) -> None:
     """Launch the compaction alone (one program) over topk_ids' M*k rows; the grouped
     op does it inside its W13 launch, the benchmark's read floor uses this."""
@@ -288,7 +264,6 @@ def grouped_decode(
     w13_words = config.w13_block_n // 8
     w2_tiles = triton.cdiv(K, config.w2_block_k)
     use_pdl = config.pdl and pdl_supported(hidden_states.device)
-    pdl_launch = {"launch_pdl": True} if use_pdl else {}
     num_arrivals = M * w2_tiles if config.fused_combine else 0
     if "w13" in stages:
         _w13_kernel[(1 + rows * splits * triton.cdiv(2 * N // 8, w13_words),)](
@@ -316,7 +291,7 @@ def grouped_decode(
             K=K, N=N, G=G, SPLITS=splits, WORDS=config.w2_block_k // 8,
             GROUPS_A=groups_a, GROUPS_B=groups_b, TOP_K=top_k,
             FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
-            num_warps=config.w2_warps, **pdl_launch,
+            num_warps=config.w2_warps, **launch_options(use_pdl),
         )
     if not config.fused_combine and "combine" in stages:
         combine_rows(scratch.row_outputs, topk_weights, out, use_pdl)
