@@ -3,10 +3,12 @@
     PYTHONPATH=. python benchmarks/sass_stats.py [--dump DIR]
 
 No GPU needed: the counts explain the measured times (docs/PERF.md) without device time.
-Prints, per kernel at the qwen3.8-tp4 shape and launch config: registers, stack (spills),
-instructions by class and lane-instructions per weight (the tile programs are loop-free,
-so the static count is what one program issues; the W2 count includes the fused
-combine, which only one program per token and tile runs).
+Prints, per kernel at the qwen3.8-tp4 shape, launch config and token count M, specialized
+as a launch specializes it (pointer and integer alignment): registers, stack (spills),
+instructions by class and lane-instructions per weight. The tile programs are loop-free,
+so a static count is what one program issues, except that the W13 kernel also holds
+program 0's sort (the "w13-tile-path" line compiles it with that part cut to nothing)
+and the W2 count includes the fused combine, which one program per token and tile runs.
 """
 import argparse
 import collections
@@ -29,21 +31,23 @@ TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def _signature(fn, constexprs, pointer_types):
-    sig = {}
-    for name in fn.arg_names:
+def compile_kernel(fn, constexprs, pointer_types, num_warps, ints=None):
+    """Compile ``fn`` for sm_90 as a launch would specialize it: every pointer 16-byte aligned
+    (torch allocations and the workspace regions are) and every integer argument given in
+    ``ints`` marked divisible by 16 where it is (Triton's JIT does both at launch time)."""
+    ints = ints or {}
+    signature, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
         if name in constexprs:
-            sig[name] = "constexpr"
+            signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = pointer_types.get(name, "*fp32")
+            signature[name] = pointer_types.get(name, "*fp32")
+            attrs[(index,)] = [["tt.divisibility", 16]]
         else:
-            sig[name] = "i32"
-    return sig
-
-
-def compile_kernel(fn, constexprs, pointer_types, num_warps):
-    src = ASTSource(fn=fn, signature=_signature(fn, constexprs, pointer_types),
-                    constexprs=constexprs)
+            signature[name] = "i32"
+            if ints.get(name, 1) % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
@@ -82,21 +86,28 @@ def main(argv=None):
     parser.add_argument("--dump", default="")
     args = parser.parse_args(argv)
     K, N, G, k = c.hidden_size, c.intermediate_size, c.group_size, c.top_k
-    seen = set()
-    for M in (2, 4, 8):
+    ga, gb = grouped.w2_group_chunks(N // G)
+    for M in (2, 8):
         config = configs.grouped_config(QWEN38_TP4_SHAPE, "fp16", M)
-        if config in seen:
-            continue
-        seen.add(config)
-        # R_PAD = 16: program 0's sort is not part of a tile program's instructions
+        rows = M * k
+        w2_tiles = -(-K // config.w2_block_k)
+        arrivals = M * w2_tiles if config.fused_combine else 0
+        w13_consts = dict(TOP_K=k, K=K, TWO_N=2 * N, G=G, GROUPS=config.w13_block_k // G,
+                          WORDS=config.w13_block_n // 8, USE_PDL=config.pdl)
+        w13_ints = dict(stride_xm=K, rows=rows, num_arrivals=arrivals)
+        # as launched at this M: registers and spills of the kernel that runs
         w13 = compile_kernel(grouped._w13_kernel, dict(
-            TOP_K=k, K=K, TWO_N=2 * N, G=G, GROUPS=config.w13_block_k // G, WORDS=config.w13_block_n // 8,
-            R_PAD=16, ARRIVALS_PAD=0, USE_PDL=config.pdl), PTR16, config.w13_warps)
+            w13_consts, R_PAD=max(16, grouped._next_pow2(rows)),
+            ARRIVALS_PAD=grouped._next_pow2(arrivals) if arrivals else 0), PTR16, config.w13_warps, w13_ints)
         stats(f"M={M} w13", w13, config.w13_block_k * config.w13_block_n, args.dump)
-        ga, gb = grouped.w2_group_chunks(N // G)
+        # program 0's sort and counter zeroing cut down to nothing: the tile programs' own count
+        w13_tile = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=16, ARRIVALS_PAD=0), PTR16,
+                                  config.w13_warps, w13_ints)
+        stats(f"M={M} w13-tile-path", w13_tile, config.w13_block_k * config.w13_block_n, args.dump)
         w2 = compile_kernel(grouped._w2_rows_kernel, dict(
             K=K, N=N, G=G, SPLITS=config.w13_splits(K, G), WORDS=config.w2_block_k // 8, GROUPS_A=ga, GROUPS_B=gb,
-            TOP_K=k, FUSED_COMBINE=config.fused_combine, USE_PDL=config.pdl), PTR16, config.w2_warps)
+            TOP_K=k, FUSED_COMBINE=config.fused_combine, USE_PDL=config.pdl), PTR16, config.w2_warps,
+            dict(rows=rows, stride_om=K))
         stats(f"M={M} w2", w2, N * config.w2_block_k, args.dump)
     return 0
 

@@ -64,6 +64,8 @@ def main():
     sink = torch.empty(8 * k * 64 * 8, dtype=torch.int32, device="cuda")
     rows_out = []
     for M in [int(m) for m in (sys.argv[1] if len(sys.argv) > 1 else "2,8").split(",")]:
+        if not 1 <= M <= 8:
+            raise SystemExit(f"M={M}: the workspace and sink here hold 8 tokens")
         routings = [_random_routing(M, k, E, gen) for _ in range(LAYERS)]
         ids = [r[0].cuda() for r in routings]
         tws = [r[1].cuda() for r in routings]

@@ -182,7 +182,9 @@ def _breakdown(args, layers, workspace, gen) -> List[Dict]:
     """Each grouped stage alone (W13 includes the compaction program), same method.
 
     Stages after W13 reuse whatever partials the last layer left in the
-    workspace: the timing is right, the numbers are not."""
+    workspace: the timing is right, the numbers are not. W2 alone with the
+    fused combine leaves out the combine's sums: only the W13 launch zeroes the
+    arrival counters, so without it no W2 program arrives last."""
     import dataclasses
 
     from .kernels import configs, grouped as grouped_kernels

@@ -240,7 +240,8 @@ def test_launch_variants_give_the_default_bits(layer, workspace, fused_combine, 
     ids, tw = routing("round_robin", M, gen)
     default = run_grouped(x, tw, ids, weights, workspace).clone()
     shape = (E, TOP_K, K, N, G)
-    config = dataclasses.replace(configs.grouped_config(shape, "fp16", M), fused_combine=fused_combine, pdl=pdl)
+    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[weights.dtype]
+    config = dataclasses.replace(configs.grouped_config(shape, dtype_name, M), fused_combine=fused_combine, pdl=pdl)
     out = torch.full_like(x, float("nan"))
     workspace.fill_(-1)
     launch_grouped(x, tw, ids, *weights.op_args(), workspace, out, config)

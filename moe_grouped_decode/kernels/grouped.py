@@ -169,7 +169,9 @@ def _w2_rows_kernel(
     zeroed by the W13 launch) sums the token's k row outputs of that tile in j
     order into ``out``.
     """
-    let_next_launch_start(USE_PDL)
+    # the combine launch may start early; with the combine fused, W2 is the op's last launch and
+    # whatever follows the op must not start before W2 is done
+    let_next_launch_start(USE_PDL and not FUSED_COMBINE)
     row = tl.program_id(0)
     tile = tl.program_id(1)
     PACKED_K: tl.constexpr = K // 8
@@ -249,7 +251,7 @@ def grouped_decode(
 
     ``scratch`` holds the workspace regions as attributes (``ops.workspace_views``):
     int32 ``sorted_rows``, ``sorted_experts`` (compaction scratch), ``active_experts``,
-    ``segment_offsets``, ``live_count``, ``combine_arrivals`` (>= M * K // 8);
+    ``segment_offsets``, ``live_count``, ``combine_arrivals`` (>= M * ceil(K / w2_block_k));
     float32 ``gate_up_partials`` (>= config.w13_splits(K, G) * M * k * 2N, flat) and
     ``row_outputs`` [M * k, K]. ``config`` must be
     ``fitted`` to the shape; topk_ids and topk_weights contiguous [M, k].
@@ -265,6 +267,9 @@ def grouped_decode(
     w2_tiles = triton.cdiv(K, config.w2_block_k)
     use_pdl = config.pdl and pdl_supported(hidden_states.device)
     num_arrivals = M * w2_tiles if config.fused_combine else 0
+    if num_arrivals > scratch.combine_arrivals.numel():
+        raise ValueError(f"grouped_decode: {num_arrivals} combine counters needed, the workspace holds "
+                         f"{scratch.combine_arrivals.numel()}")
     if "w13" in stages:
         _w13_kernel[(1 + rows * splits * triton.cdiv(2 * N // 8, w13_words),)](
             hidden_states, hidden_states.stride(0),

@@ -30,7 +30,8 @@ def wait_for_previous_launch(USE_PDL: tl.constexpr):
 
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch needs Hopper or newer and compiled kernels."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return (device.type == "cuda" and torch.version.hip is None  # ROCm reports major 9 for MI300
+            and os.environ.get("TRITON_INTERPRET", "0") != "1"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 

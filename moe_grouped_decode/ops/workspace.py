@@ -13,7 +13,8 @@ Layout for capacity R rows (every region starts on a 64-byte boundary)::
     active_experts  [R]        int32  expert id of segment a (first A are live)
     segment_offsets [R + 1]    int32  segment a is sorted_rows[offsets[a]:offsets[a+1]]
     sorted_experts  [R]        int32  CUDA compaction scratch: the expert of each sorted position
-    combine_arrivals [R, K/8]  int32  CUDA fused combine: W2 programs arrived per (token, column tile)
+    combine_arrivals [R*K/8]   int32  CUDA fused combine: W2 programs arrived per (token, column tile);
+                                      M * ceil(K / w2_block_k) are used, this bounds it for any tile
     activations     [R, N]     fp32   silu(gate) * up, one row per routed row (CPU implementation)
     row_outputs     [R, K]     fp32   W2 output per routed row, before the combine
     gate_up_partials [S, R, 2N] fp32  CUDA W13 split-K partial sums, room for S = MAX_SPLIT_K splits
