@@ -38,7 +38,6 @@ import moe_grouped_decode.ops  # noqa: F401  (registers the ops)
 from moe_grouped_decode.awq import synthetic_moe_weights, unpack_int4
 from moe_grouped_decode.contract import QWEN38_TP4 as c
 from moe_grouped_decode.kernels import dense
-from moe_grouped_decode.kernels.dense import ALIGN_TILE, _align_kernel, _next_pow2
 from moe_grouped_decode.ops.reference import error_stats, reference_moe
 
 KERNEL = "fused_moe_kernel_gptq_awq"
@@ -111,17 +110,8 @@ class VllmPipeline:
         rows = M * k
         bm = w13_config[0]
         assert w2_config[0] == bm, "one alignment serves both GEMMs"
-        max_blocks = triton.cdiv(rows, bm) + min(rows, E)
         device = x.device
-        e_pad = max(16, _next_pow2(E))
-        counts = torch.empty(e_pad, dtype=torch.int32, device=device)
-        row_rank = torch.empty(rows, dtype=torch.int32, device=device)
-        sorted_rows = torch.empty(max_blocks * bm, dtype=torch.int32, device=device)
-        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
-        num_blocks = torch.empty(1, dtype=torch.int32, device=device)
-        _align_kernel[(1,)](topk_ids, rows, E, max_blocks * bm, max_blocks, counts, row_rank, sorted_rows,
-                            block_expert, num_blocks, BLOCK_M=bm, E_PAD=e_pad, BLOCK=ALIGN_TILE, BLOCK_B=16,
-                            num_warps=4)
+        sorted_rows, block_expert, num_blocks = dense.align_rows(topk_ids, E, bm)
         padded = num_blocks * bm
         gate_up = torch.empty(rows, two_n, dtype=x.dtype, device=device)
         self._gemm(x, x.stride(0), self.w13, gate_up, sorted_rows, block_expert, padded, rows, two_n, K, k,

@@ -177,6 +177,27 @@ def _next_pow2(n: int) -> int:
 ALIGN_TILE = 64
 
 
+def align_rows(topk_ids, num_experts: int, block_m: int):
+    """The routed rows of ``topk_ids`` [M, k] grouped by expert into blocks of ``block_m``
+    (one launch): ``sorted_rows`` (padding slots hold M * k), each block's expert, and the
+    live block count [1]; grids are sized by the upper bound ``block_expert.numel()``."""
+    rows = topk_ids.numel()
+    max_blocks = triton.cdiv(rows, block_m) + min(rows, num_experts)
+    device = topk_ids.device
+    e_pad = max(16, _next_pow2(num_experts))
+    counts = torch.empty(e_pad, dtype=torch.int32, device=device)
+    row_rank = torch.empty(rows, dtype=torch.int32, device=device)
+    sorted_rows = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](
+        topk_ids, rows, num_experts, max_blocks * block_m, max_blocks,
+        counts, row_rank, sorted_rows, block_expert, num_blocks,
+        BLOCK_M=block_m, E_PAD=e_pad, BLOCK=ALIGN_TILE, BLOCK_B=16, num_warps=4,
+    )
+    return sorted_rows, block_expert, num_blocks
+
+
 def dense_moe(
     hidden_states, topk_weights, topk_ids,
     w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size: int,
@@ -185,25 +206,13 @@ def dense_moe(
     """Launch the dense route into ``out`` [M, K]. Scratch is allocated here (no workspace)."""
     M, K = hidden_states.shape
     top_k = topk_ids.shape[1]
-    E = w13_qweight.shape[0]
     N = w2_qweight.shape[1]
     rows = M * top_k
     bm = config.block_m
-    max_blocks = triton.cdiv(rows, bm) + min(rows, E)
-    device = hidden_states.device
-    e_pad = max(16, _next_pow2(E))
-    counts = torch.empty(e_pad, dtype=torch.int32, device=device)
-    row_rank = torch.empty(rows, dtype=torch.int32, device=device)
-    sorted_rows = torch.empty(max_blocks * bm, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
-    num_blocks = torch.empty(1, dtype=torch.int32, device=device)
-    act = torch.empty(rows, N, dtype=torch.float32, device=device)
-    row_out = torch.empty(rows, K, dtype=torch.float32, device=device)
-    _align_kernel[(1,)](
-        topk_ids, rows, E, max_blocks * bm, max_blocks,
-        counts, row_rank, sorted_rows, block_expert, num_blocks,
-        BLOCK_M=bm, E_PAD=e_pad, BLOCK=ALIGN_TILE, BLOCK_B=16, num_warps=4,
-    )
+    sorted_rows, block_expert, num_blocks = align_rows(topk_ids, w13_qweight.shape[0], bm)
+    max_blocks = block_expert.numel()
+    act = torch.empty(rows, N, dtype=torch.float32, device=hidden_states.device)
+    row_out = torch.empty(rows, K, dtype=torch.float32, device=hidden_states.device)
     _dense_w13_kernel[(max_blocks, triton.cdiv(N, config.w13_block_n))](
         hidden_states, hidden_states.stride(0),
         w13_qweight, w13_scales, w13_qzeros,
