@@ -8,6 +8,7 @@ launch writes. Both are no-ops with ``USE_PDL`` false (older GPUs, the interpret
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,8 +29,10 @@ def wait_for_previous_launch(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
+@functools.lru_cache(maxsize=None)
 def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch needs Hopper or newer and compiled kernels."""
+    """Programmatic dependent launch needs Hopper or newer and compiled kernels (asked once
+    per device: the answer is fixed for the process, and every grouped call asks)."""
     return (device.type == "cuda" and torch.version.hip is None  # ROCm reports major 9 for MI300
             and os.environ.get("TRITON_INTERPRET", "0") != "1"
             and torch.cuda.get_device_capability(device)[0] >= 9)
