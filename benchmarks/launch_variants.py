@@ -79,7 +79,7 @@ def main():
         outs = [torch.empty_like(x) for x in xs]
         want = []
         for i in range(LAYERS):
-            launch_grouped(xs[i], tws[i], ids[i], *layers[i].op_args(), workspace, outs[i], base.fitted(G, K))
+            launch_grouped(xs[i], tws[i], ids[i], *layers[i].op_args(), workspace, outs[i], base.fitted(K))
             want.append(outs[i].clone())
         ref = reference_moe(xs[0], tws[0], ids[0], *layers[0].op_args())
         s = error_stats(want[0].cpu(), ref)
@@ -87,7 +87,7 @@ def main():
         for name, config in variants.items():
             if only and name not in only:
                 continue
-            config = config.fitted(G, K)
+            config = config.fitted(K)
             for o in outs:
                 o.fill_(float("nan"))
 

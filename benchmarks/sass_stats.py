@@ -86,27 +86,27 @@ def main(argv=None):
     parser.add_argument("--dump", default="")
     args = parser.parse_args(argv)
     K, N, G, k = c.hidden_size, c.intermediate_size, c.group_size, c.top_k
-    ga, gb = grouped.w2_group_chunks(N // G)
     for M in (2, 8):
         config = configs.grouped_config(QWEN38_TP4_SHAPE, "fp16", M)
         rows = M * k
         w2_tiles = -(-K // config.w2_block_k)
         arrivals = M * w2_tiles if config.fused_combine else 0
-        w13_consts = dict(TOP_K=k, K=K, TWO_N=2 * N, G=G, GROUPS=config.w13_block_k // G,
-                          WORDS=config.w13_block_n // 8, USE_PDL=config.pdl)
+        w13_consts = dict(TOP_K=k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps,
+                          IS_BF16=False, USE_PDL=config.pdl)
         w13_ints = dict(stride_xm=K, rows=rows, num_arrivals=arrivals)
+        w13_weights = config.w13_block_k * 64
         # as launched at this M: registers and spills of the kernel that runs
         w13 = compile_kernel(grouped._w13_kernel, dict(
             w13_consts, R_PAD=max(16, grouped._next_pow2(rows)),
             ARRIVALS_PAD=grouped._next_pow2(arrivals) if arrivals else 0), PTR16, config.w13_warps, w13_ints)
-        stats(f"M={M} w13", w13, config.w13_block_k * config.w13_block_n, args.dump)
+        stats(f"M={M} w13", w13, w13_weights, args.dump)
         # program 0's sort and counter zeroing cut down to nothing: the tile programs' own count
         w13_tile = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=16, ARRIVALS_PAD=0), PTR16,
                                   config.w13_warps, w13_ints)
-        stats(f"M={M} w13-tile-path", w13_tile, config.w13_block_k * config.w13_block_n, args.dump)
+        stats(f"M={M} w13-tile-path", w13_tile, w13_weights, args.dump)
         w2 = compile_kernel(grouped._w2_rows_kernel, dict(
-            K=K, N=N, G=G, SPLITS=config.w13_splits(K, G), WORDS=config.w2_block_k // 8, GROUPS_A=ga, GROUPS_B=gb,
-            TOP_K=k, FUSED_COMBINE=config.fused_combine, USE_PDL=config.pdl), PTR16, config.w2_warps,
+            K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, N_PAD=grouped._next_pow2(N),
+            TOP_K=k, IS_BF16=False, FUSED_COMBINE=config.fused_combine, USE_PDL=config.pdl), PTR16, config.w2_warps,
             dict(rows=rows, stride_om=K))
         stats(f"M={M} w2", w2, N * config.w2_block_k, args.dump)
     return 0

@@ -161,7 +161,7 @@ def _sweep(args, layers, workspace, gen) -> List[Dict]:
         dense_out = torch.ops.moe_grouped_decode.awq_moe_dense(xs[0], tws[0], ids[0], *layers[0].op_args()).float()
         timed = []
         for candidate in configs.grouped_candidates():
-            config = candidate.fitted(c.group_size, c.hidden_size)
+            config = candidate.fitted(c.hidden_size)
             out.fill_(float("nan"))
             launch_grouped(xs[0], tws[0], ids[0], *layers[0].op_args(), workspace, out, config)
             error = ((out.float() - dense_out).abs().max() / dense_out.abs().max()).item()

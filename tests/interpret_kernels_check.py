@@ -73,25 +73,25 @@ def run_grouped(weights, x, tw, ids, config: GroupedConfig):
     views = workspace_views(workspace, M * k, K, N)
     out = output_buffer(x)
     grouped.grouped_decode(
-        x, tw, ids, *weights.op_args(), views, out, config.fitted(weights.group_size, K),
+        x, tw, ids, *weights.op_args(), views, out, config.fitted(K),
     )
     return out, views
 
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    # K=64, 2N=64: one W13 column tile of 8 int32s, two K-splits, one W2 column tile
-    base = GroupedConfig(w13_block_k=32, w13_block_n=64, w13_warps=1, w2_block_k=64, w2_warps=1)
+    # K=64, 2N=64: one W13 column tile of 8 int32s, two 32-row K-splits, one W2 column tile
+    base = GroupedConfig(w13_block_k=32, w13_warps=1, w2_warps=1)
     cases = [
         # (E, k, K, N, G, M, pattern, dtype, config): why
-        (8, 2, 64, 32, 16, 1, "random", torch.float16, base),  # smallest batch, two groups per K-split
-        (8, 3, 64, 32, 32, 3, "round_robin", torch.bfloat16, base),  # experts shared across tokens, G = 32 (one group per split), bf16
-        (8, 3, 64, 32, 16, 4, "single_hot", torch.float16, dataclasses.replace(base, w13_block_n=32)),  # multi-row segments, two W13 column tiles
-        # N // G = 3 groups: W2 in chunks of 2 + 1; K // G = 6 groups in splits of 4 (the last half masked);
-        # 2N = 96 and K = 96 columns: the second W13 and W2 column tiles are partly masked
-        (8, 2, 96, 48, 16, 3, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w13_warps=2, w2_warps=2)),
+        (8, 2, 64, 32, 32, 1, "random", torch.float16, base),  # smallest batch, one chunk per K-split
+        (8, 3, 64, 32, 32, 3, "round_robin", torch.bfloat16, dataclasses.replace(base, w13_block_k=64)),  # experts shared across tokens, both chunks in one split, bf16
+        (8, 3, 128, 64, 64, 4, "single_hot", torch.float16, dataclasses.replace(base, w13_block_k=64, w13_warps=2)),  # multi-row segments, G = 64 (two chunks per group), two warps summed in W13, two W13 column tiles
+        # K = 96 = 12 int32 columns: W2's second column tile is half masked; K-splits of 64 rows: the
+        # second is half masked; N // 32 = 2 chunks in W2, two warps per W2 program
+        (8, 2, 96, 64, 32, 3, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w2_warps=2)),
         # the combine as its own launch (not fused into W2): multi-row segments, two W2 column tiles
-        (8, 3, 96, 48, 16, 4, "single_hot", torch.float16, dataclasses.replace(base, fused_combine=False)),
+        (8, 3, 128, 32, 32, 4, "single_hot", torch.float16, dataclasses.replace(base, fused_combine=False)),
     ]
     for E, k, K, N, G, M, pattern, dtype, config in cases:
         weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + M)

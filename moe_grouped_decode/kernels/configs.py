@@ -25,31 +25,33 @@ from typing import Dict, Optional, Tuple
 
 @dataclass(frozen=True)
 class GroupedConfig:
-    w13_block_k: int = 256  # W13: K rows per program (whole groups, a power of two of them); K / this = splits
-    w13_block_n: int = 64  # W13: output columns per program (8 per packed int32; a power of two of int32s)
-    w13_warps: int = 1
-    w2_block_k: int = 128  # W2: output columns per program (8 per packed int32; a power of two of int32s)
-    w2_warps: int = 1
+    w13_block_k: int = 256  # W13: K rows per program (one split); whole 32-row chunks for each warp
+    w13_warps: int = 1  # W13: warps per program, each over its own chunks of the split
+    w2_warps: int = 4  # W2: warps per program, 64 output columns each
     fused_combine: bool = True  # the combine inside the W2 launch (last-arriving program per token tile)
     pdl: bool = True  # programmatic dependent launch between the op's launches (used on Hopper and newer)
 
-    def w13_splits(self, hidden_size: int, group_size: int) -> int:
-        """W13 programs per (row, column tile) along K: the partial sums the W2 kernel adds in order."""
-        groups_per_split = self.w13_block_k // group_size
-        return -(-(hidden_size // group_size) // groups_per_split)
+    @property
+    def w13_chunks(self) -> int:
+        """32-row chunks per W13 warp."""
+        return self.w13_block_k // (32 * self.w13_warps)
 
-    def fitted(self, group_size: int, hidden_size: int) -> "GroupedConfig":
-        """Round the tiles to power-of-two group and int32 counts, growing W13's K tile until
-        its splits fit the workspace's partials region (MAX_SPLIT_K)."""
-        groups = _pow2_at_most(max(1, self.w13_block_k // group_size))
-        while -(-(hidden_size // group_size) // groups) > MAX_SPLIT_K:
-            groups *= 2
-        return dataclasses.replace(
-            self,
-            w13_block_k=groups * group_size,
-            w13_block_n=8 * _pow2_at_most(max(1, self.w13_block_n // 8)),
-            w2_block_k=8 * _pow2_at_most(max(1, self.w2_block_k // 8)),
-        )
+    @property
+    def w2_block_k(self) -> int:
+        """W2 output columns per program."""
+        return 64 * self.w2_warps
+
+    def w13_splits(self, hidden_size: int) -> int:
+        """W13 programs per (row, column tile) along K: the partial sums the W2 kernel adds in order."""
+        return -(-hidden_size // self.w13_block_k)
+
+    def fitted(self, hidden_size: int) -> "GroupedConfig":
+        """Round W13's split to whole chunks for every warp, growing it until the splits fit
+        the workspace's partials region (MAX_SPLIT_K)."""
+        chunks = _pow2_at_most(max(1, self.w13_chunks))
+        while -(-hidden_size // (chunks * 32 * self.w13_warps)) > MAX_SPLIT_K:
+            chunks *= 2
+        return dataclasses.replace(self, w13_block_k=chunks * 32 * self.w13_warps)
 
 
 def _pow2_at_most(n: int) -> int:
@@ -80,12 +82,12 @@ MAX_SPLIT_K = 32
 # (E, k, K, N, G) of the qwen3.8-tp4 contract.
 QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 
-# Sweep winners on H200, fp16 (docs/PERF.md v4, `bench --sweep 2,8`: the default won at both
-# M = 2 and M = 8, so M = 4 takes it too); keyed by token count M.
+# Sweep winners on H200, fp16 (docs/PERF.md v7, `bench --sweep 2,4,8`), keyed by token count M:
+# more tokens want fewer W13 splits (every W2 program sums its row's splits again).
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
-    2: GroupedConfig(),
-    4: GroupedConfig(),
-    8: GroupedConfig(),
+    2: GroupedConfig(w13_block_k=128, w2_warps=8),
+    4: GroupedConfig(w13_block_k=256, w2_warps=4),
+    8: GroupedConfig(w13_block_k=512, w2_warps=4),
 }
 
 
@@ -148,7 +150,7 @@ def grouped_config(shape: Tuple[int, int, int, int, int], dtype_name: str, num_t
         config = _QWEN38_TP4_GROUPED[num_tokens]
     else:
         config = GroupedConfig()
-    return config.fitted(shape[4], shape[2])
+    return config.fitted(shape[2])
 
 
 def dense_config(shape: Tuple[int, int, int, int, int], num_tokens: int) -> DenseConfig:
@@ -167,9 +169,9 @@ def dense_config(shape: Tuple[int, int, int, int, int], num_tokens: int) -> Dens
 def grouped_candidates() -> Tuple[GroupedConfig, ...]:
     """The small search space of the opt-in autotune (and of `bench --sweep`)."""
     return tuple(
-        GroupedConfig(w13_block_k=w13_block_k, w13_warps=w13_warps, w2_block_k=w2_block_k, w2_warps=w2_warps)
-        for w13_block_k, w13_warps in ((256, 1), (128, 1))
-        for w2_block_k, w2_warps in ((128, 1), (64, 1), (128, 2), (256, 2))
+        GroupedConfig(w13_block_k=w13_block_k, w2_warps=w2_warps)
+        for w13_block_k in (128, 256, 512)
+        for w2_warps in (2, 4, 8)
     )
 
 

@@ -14,13 +14,16 @@ Launches (no host sync; every grid is sized by the static R = M * k rows)::
                           a tile (int32 arrival counter) writes
                           out[t, tile] = sum_j topk_weights[t, j] * row_outputs[t*k + j]
 
-1. W13: every program but 0 takes one (routed row, K-split, column tile): ONE
-   load of its whole-group tile of W13[topk_ids[row]] (rows x packed columns),
-   its x slice, zeros and scales, then eight nibble-plane reductions. Programs
+1. W13: every program but 0 takes one (routed row, K-split, 64-column tile) on
+   tensor cores (``awq_mma``: AutoAWQ nibbles dequantized straight into mma
+   fragments, 32-row chunks, the token as column 0 of the B operand). Programs
    index experts by routed row, so they need no compaction first; rows that
    share an expert read it again from L2 (the layer's active W13 is ~36 MB at
    M = 8, under the 60 MB of an H200), not from DRAM.
-2. W2 (+ combine): see above. Without ``fused_combine`` the combine is a third
+2. W2 (+ combine): see above; every program of a row sums the row's partials
+   again (cheap in L2; fewer, longer splits as M grows keep it small), and
+   64 columns per warp go through ``awq_mma`` with the float32 activations as
+   a 16-bit hi + lo pair. Without ``fused_combine`` the combine is a third
    launch (``combine.py``). With ``pdl`` (Hopper and newer) each launch lets the
    next one start early (programmatic dependent launch); the next one waits for
    it before reading what it wrote.
@@ -35,10 +38,12 @@ from __future__ import annotations
 
 from typing import Tuple
 
+import torch
 import triton
 import triton.language as tl
 
-from .awq_tiles import load_group_tile, load_plane_scales, nibble_plane_dot, plane_columns, silu_mul
+from .awq_mma import CHUNK_ROWS, TILE_WORDS, awq_mma_chunk, chunk_columns, chunk_lanes, chunk_rows
+from .awq_tiles import silu_mul
 from .combine import combine_rows, combine_tile
 from .configs import GroupedConfig
 from .pdl import launch_options, let_next_launch_start, pdl_supported, wait_for_previous_launch
@@ -89,14 +94,16 @@ def _w13_kernel(
     sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr,
     arrivals_ptr, num_arrivals,
     TOP_K: tl.constexpr, K: tl.constexpr, TWO_N: tl.constexpr, G: tl.constexpr,
-    GROUPS: tl.constexpr, WORDS: tl.constexpr, R_PAD: tl.constexpr, ARRIVALS_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    CHUNKS: tl.constexpr, WARPS: tl.constexpr, R_PAD: tl.constexpr, ARRIVALS_PAD: tl.constexpr,
+    IS_BF16: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols].
 
     Program 0 writes the compaction and zeroes the W2 launch's ``num_arrivals``
-    combine counters; program 1 + ((row * SPLITS) + s) * TILES + tile does the
-    GROUPS * G rows of split s and the 8 * WORDS columns of ``tile``.
+    combine counters; program 1 + ((row * SPLITS) + s) * TILES + tile does the 64
+    columns of ``tile`` over the WARPS * CHUNKS 32-row chunks of split s: warp w
+    takes chunks w * CHUNKS .. (w + 1) * CHUNKS - 1 on tensor cores (awq_mma), then
+    the warps' sums are added in warp order.
     """
     let_next_launch_start(USE_PDL)
     pid = tl.program_id(0)
@@ -108,43 +115,55 @@ def _w13_kernel(
             tl.store(arrivals_ptr + a, tl.zeros([ARRIVALS_PAD], dtype=tl.int32), mask=a < num_arrivals)
         return
     PACKED_N: tl.constexpr = TWO_N // 8
-    NUM_GROUPS: tl.constexpr = K // G
-    TILES: tl.constexpr = (PACKED_N + WORDS - 1) // WORDS
-    SPLITS: tl.constexpr = (NUM_GROUPS + GROUPS - 1) // GROUPS
+    TILES: tl.constexpr = PACKED_N // TILE_WORDS
+    SPLIT_ROWS: tl.constexpr = WARPS * CHUNKS * CHUNK_ROWS
+    SPLITS: tl.constexpr = (K + SPLIT_ROWS - 1) // SPLIT_ROWS
     work = pid - 1
     tile = work % TILES
     split = (work // TILES) % SPLITS
     row = work // (TILES * SPLITS)
     expert = tl.load(ids_ptr + row).to(tl.int64)
     token = (row // TOP_K).to(tl.int64)
-    groups = split * GROUPS + tl.arange(0, GROUPS)
-    group_ok = groups < NUM_GROUPS
-    words = tile * WORDS + tl.arange(0, WORDS)
-    word_ok = words < PACKED_N
-    k_rows, packed, zeros = load_group_tile(
-        qweight_ptr + expert * (K * PACKED_N), qzeros_ptr + expert * (NUM_GROUPS * PACKED_N),
-        groups, group_ok, words, word_ok, G, PACKED_N)
-    scales = load_plane_scales(scales_ptr + expert * (NUM_GROUPS * TWO_N), groups, group_ok, words, word_ok, TWO_N)
-    x = tl.load(x_ptr + token * stride_xm + k_rows, mask=group_ok[:, None], other=0.0).to(tl.float32)
+    warp, g, t, e = chunk_lanes(WARPS)
+    word = tile * TILE_WORDS + g
+    acc_lo = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
+    acc_hi = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        k0 = split * SPLIT_ROWS + (warp * CHUNKS + c) * CHUNK_ROWS
+        k_rows = chunk_rows(k0, t, e)
+        chunk_ok = k0 < K
+        group = k0 // G
+        words = tl.load(qweight_ptr + expert * (K * PACKED_N) + k_rows * PACKED_N + word, mask=chunk_ok, other=0)
+        x = tl.load(x_ptr + token * stride_xm + k_rows, mask=chunk_ok & (g == 0), other=0.0)
+        scales = tl.load(scales_ptr + expert * (K // G * TWO_N) + group * TWO_N + word * 8 + e, mask=chunk_ok,
+                         other=0.0)
+        zeros = tl.load(qzeros_ptr + expert * (K // G * PACKED_N) + group * PACKED_N + word, mask=chunk_ok, other=0)
+        d_lo, d_hi = awq_mma_chunk(words, x, x, scales, zeros, IS_BF16, False, WARPS)
+        acc_lo += d_lo
+        acc_hi += d_hi
+    if WARPS > 1:
+        acc_lo = tl.sum(tl.reshape(acc_lo, [WARPS, 32, 8]), axis=0)
+        acc_hi = tl.sum(tl.reshape(acc_hi, [WARPS, 32, 8]), axis=0)
+    # lanes t = 0 hold token column 0 (this row's token) in their even elements
+    _, g, t, e = chunk_lanes(1)
+    cols = chunk_columns(tile * TILE_WORDS + g, e)
+    keep = (t == 0) & (e % 2 == 0)
     out_base = partials_ptr + (split * rows + row) * TWO_N
-    for nibble in tl.static_range(8):
-        acc = nibble_plane_dot(packed, zeros, x, scales[nibble], nibble)
-        tl.store(out_base + plane_columns(words, nibble), acc, mask=word_ok)
+    tl.store(out_base + cols, acc_lo, mask=keep)
+    tl.store(out_base + cols + 4, acc_hi, mask=keep)
 
 
 @triton.jit
-def _act_of_groups(partials_ptr, row, rows, groups, group_ok, G: tl.constexpr, N: tl.constexpr, SPLITS: tl.constexpr):
-    """silu(gate) * up of a routed row's intermediate rows ``groups[g] * G + i`` ([GROUPS, G]),
-    the W13 K-split partials summed in split order."""
-    n = groups[:, None] * G + tl.arange(0, G)[None, :]
-    ok = group_ok[:, None] & (n < N)
-    gate = tl.zeros(n.shape, dtype=tl.float32)
-    up = tl.zeros(n.shape, dtype=tl.float32)
+def _row_activations(partials_ptr, act_ptr, row, rows, N: tl.constexpr, SPLITS: tl.constexpr, N_PAD: tl.constexpr):
+    """act[row] = silu(gate) * up from the W13 partials summed in split order, float32 [N]."""
+    n = tl.arange(0, N_PAD)
+    gate = tl.zeros([N_PAD], dtype=tl.float32)
+    up = tl.zeros([N_PAD], dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         part = partials_ptr + (s * rows + row) * (2 * N) + n
-        gate += tl.load(part, mask=ok, other=0.0)
-        up += tl.load(part + N, mask=ok, other=0.0)
-    return silu_mul(gate, up)
+        gate += tl.load(part, mask=n < N, other=0.0)
+        up += tl.load(part + N, mask=n < N, other=0.0)
+    tl.store(act_ptr + row * N + n, silu_mul(gate, up), mask=n < N)
 
 
 @triton.jit
@@ -152,22 +171,25 @@ def _w2_rows_kernel(
     ids_ptr,
     partials_ptr,
     qweight_ptr, scales_ptr, qzeros_ptr,
-    row_out_ptr,
+    act_ptr, row_out_ptr,
     rows,
     topk_weights_ptr, out_ptr, stride_om, arrivals_ptr,
-    K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr, WORDS: tl.constexpr,
-    GROUPS_A: tl.constexpr, GROUPS_B: tl.constexpr, TOP_K: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, USE_PDL: tl.constexpr,
+    K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr, WARPS: tl.constexpr,
+    N_PAD: tl.constexpr, TOP_K: tl.constexpr,
+    IS_BF16: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32.
 
-    The N // G groups of W2 rows are two power-of-two chunks (GROUPS_A, then
-    GROUPS_B padded, 0 for none). Every weight load issues before the wait for
-    the W13 launch and before any arithmetic, so all of a program's weight bytes
-    are in flight while W13 finishes. With FUSED_COMBINE, the last of a token's
-    k programs on a column tile to arrive (an int32 counter per (token, tile),
-    zeroed by the W13 launch) sums the token's k row outputs of that tile in j
-    order into ``out``.
+    Program (row, tile): warp w takes the 64 columns of packed column tile
+    tile * WARPS + w over all N rows (N / 32 chunks on tensor cores). Every weight
+    load issues before the wait for the W13 launch, so a program's weight bytes
+    are in flight while W13 finishes. Then the row's activations, from the W13
+    partials summed in split order (every program of the row computes the same
+    values and writes them to ``act`` [row, N]; a barrier, then each lane reads
+    back its fragment rows), split into a 16-bit hi + lo pair. With
+    FUSED_COMBINE, the last of a token's k programs on a column tile to arrive (an
+    int32 counter per (token, tile), zeroed by the W13 launch) sums the token's k
+    row outputs of that tile in j order into ``out``.
     """
     # the combine launch may start early; with the combine fused, W2 is the op's last launch and
     # whatever follows the op must not start before W2 is done
@@ -175,53 +197,51 @@ def _w2_rows_kernel(
     row = tl.program_id(0)
     tile = tl.program_id(1)
     PACKED_K: tl.constexpr = K // 8
-    NUM_GROUPS: tl.constexpr = N // G
+    CHUNKS: tl.constexpr = N // CHUNK_ROWS
     expert = tl.load(ids_ptr + row).to(tl.int64)
-    words = tile * WORDS + tl.arange(0, WORDS)
-    word_ok = words < PACKED_K
+    warp, g, t, e = chunk_lanes(WARPS)
+    word = (tile * WARPS + warp) * TILE_WORDS + g
+    word_ok = word < PACKED_K
     qweight_base = qweight_ptr + expert * (N * PACKED_K)
-    scales_base = scales_ptr + expert * (NUM_GROUPS * K)
-    qzeros_base = qzeros_ptr + expert * (NUM_GROUPS * PACKED_K)
-    groups_a = tl.arange(0, GROUPS_A)
-    ok_a = groups_a < NUM_GROUPS
-    _, packed_a, zeros_a = load_group_tile(qweight_base, qzeros_base, groups_a, ok_a, words, word_ok, G, PACKED_K)
-    scales_a = load_plane_scales(scales_base, groups_a, ok_a, words, word_ok, K)
-    if GROUPS_B > 0:
-        groups_b = GROUPS_A + tl.arange(0, GROUPS_B)
-        ok_b = groups_b < NUM_GROUPS
-        _, packed_b, zeros_b = load_group_tile(qweight_base, qzeros_base, groups_b, ok_b, words, word_ok, G, PACKED_K)
-        scales_b = load_plane_scales(scales_base, groups_b, ok_b, words, word_ok, K)
+    scales_base = scales_ptr + expert * (N // G * K)
+    qzeros_base = qzeros_ptr + expert * (N // G * PACKED_K)
+    weights = ()
+    for c in tl.static_range(CHUNKS):
+        k_rows = chunk_rows(c * CHUNK_ROWS, t, e)
+        group = c * CHUNK_ROWS // G
+        weights += ((
+            tl.load(qweight_base + k_rows * PACKED_K + word, mask=word_ok, other=0),
+            tl.load(scales_base + group * K + word * 8 + e, mask=word_ok, other=0.0),
+            tl.load(qzeros_base + group * PACKED_K + word, mask=word_ok, other=0),
+        ),)
     wait_for_previous_launch(USE_PDL)
-    act_a = _act_of_groups(partials_ptr, row, rows, groups_a, ok_a, G, N, SPLITS)
-    if GROUPS_B > 0:
-        act_b = _act_of_groups(partials_ptr, row, rows, groups_b, ok_b, G, N, SPLITS)
-    for nibble in tl.static_range(8):
-        acc = nibble_plane_dot(packed_a, zeros_a, act_a, scales_a[nibble], nibble)
-        if GROUPS_B > 0:
-            acc += nibble_plane_dot(packed_b, zeros_b, act_b, scales_b[nibble], nibble)
-        tl.store(row_out_ptr + row * K + plane_columns(words, nibble), acc, mask=word_ok)
+    _row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
+    tl.debug_barrier()  # every thread's act stores happen before any thread reads them back
+    acc_lo = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
+    acc_hi = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        act = tl.load(act_ptr + row * N + chunk_rows(c * CHUNK_ROWS, t, e), mask=g == 0, other=0.0)
+        act_hi = act.to(out_ptr.dtype.element_ty)
+        act_lo = (act - act_hi.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        words, scales, zeros = weights[c]
+        d_lo, d_hi = awq_mma_chunk(words, act_hi, act_lo, scales, zeros, IS_BF16, True, WARPS)
+        acc_lo += d_lo
+        acc_hi += d_hi
+    cols = chunk_columns(word, e)
+    keep = (t == 0) & (e % 2 == 0) & word_ok
+    tl.store(row_out_ptr + row * K + cols, acc_lo, mask=keep)
+    tl.store(row_out_ptr + row * K + cols + 4, acc_hi, mask=keep)
     if FUSED_COMBINE:
         token = row // TOP_K
         tl.debug_barrier()  # every thread's row_out stores happen before the release below
         arrived = tl.atomic_add(arrivals_ptr + token * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == TOP_K - 1:
-            cols = tile * (8 * WORDS) + tl.arange(0, 8 * WORDS)
-            combine_tile(row_out_ptr, topk_weights_ptr, out_ptr, stride_om, token, cols, cols < K, TOP_K, K)
+            tile_cols = tile * (WARPS * TILE_WORDS * 8) + tl.arange(0, WARPS * TILE_WORDS * 8)
+            combine_tile(row_out_ptr, topk_weights_ptr, out_ptr, stride_om, token, tile_cols, tile_cols < K, TOP_K, K)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def _prev_pow2(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
-
-
-def w2_group_chunks(num_groups: int) -> Tuple[int, int]:
-    """N // G groups as (largest power of two, the rest padded to a power of two or 0)."""
-    first = _prev_pow2(num_groups)
-    rest = num_groups - first
-    return first, (_next_pow2(rest) if rest else 0)
 
 
 STAGES = ("w13", "w2", "combine")
@@ -252,26 +272,30 @@ def grouped_decode(
     ``scratch`` holds the workspace regions as attributes (``ops.workspace_views``):
     int32 ``sorted_rows``, ``sorted_experts`` (compaction scratch), ``active_experts``,
     ``segment_offsets``, ``live_count``, ``combine_arrivals`` (>= M * ceil(K / w2_block_k));
-    float32 ``gate_up_partials`` (>= config.w13_splits(K, G) * M * k * 2N, flat) and
-    ``row_outputs`` [M * k, K]. ``config`` must be
-    ``fitted`` to the shape; topk_ids and topk_weights contiguous [M, k].
+    float32 ``gate_up_partials`` (>= config.w13_splits(K) * M * k * 2N, flat), ``activations``
+    [M * k, N] and ``row_outputs`` [M * k, K]. ``config`` must be ``fitted`` to the shape;
+    topk_ids and topk_weights contiguous [M, k]. The tensor-core tiles need G and N in
+    whole 32-row chunks (AWQ's group sizes 32, 64 and 128 are).
     ``stages`` launches a subset, for the benchmark's per-kernel breakdown only.
     """
     M, K = hidden_states.shape
     top_k = topk_ids.shape[1]
     N = w2_qweight.shape[1]
     G = group_size
+    if G % CHUNK_ROWS.value or N % CHUNK_ROWS.value:
+        raise ValueError(f"grouped_decode: group size {G} and intermediate size {N} must be multiples of "
+                         f"{CHUNK_ROWS.value} (the tensor-core chunk)")
     rows = M * top_k
-    splits = config.w13_splits(K, G)
-    w13_words = config.w13_block_n // 8
+    splits = config.w13_splits(K)
     w2_tiles = triton.cdiv(K, config.w2_block_k)
     use_pdl = config.pdl and pdl_supported(hidden_states.device)
+    is_bf16 = hidden_states.dtype == torch.bfloat16
     num_arrivals = M * w2_tiles if config.fused_combine else 0
     if num_arrivals > scratch.combine_arrivals.numel():
         raise ValueError(f"grouped_decode: {num_arrivals} combine counters needed, the workspace holds "
                          f"{scratch.combine_arrivals.numel()}")
     if "w13" in stages:
-        _w13_kernel[(1 + rows * splits * triton.cdiv(2 * N // 8, w13_words),)](
+        _w13_kernel[(1 + rows * splits * (2 * N // 8 // TILE_WORDS.value),)](
             hidden_states, hidden_states.stride(0),
             topk_ids,
             w13_qweight, w13_scales, w13_qzeros,
@@ -280,22 +304,20 @@ def grouped_decode(
             scratch.sorted_rows, scratch.sorted_experts, scratch.active_experts, scratch.segment_offsets,
             scratch.live_count, scratch.combine_arrivals, num_arrivals,
             TOP_K=top_k, K=K, TWO_N=2 * N, G=G,
-            GROUPS=config.w13_block_k // G, WORDS=w13_words, R_PAD=max(16, _next_pow2(rows)),
-            ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, USE_PDL=use_pdl,
+            CHUNKS=config.w13_chunks, WARPS=config.w13_warps, R_PAD=max(16, _next_pow2(rows)),
+            ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
             num_warps=config.w13_warps,
         )
     if "w2" in stages:
-        groups_a, groups_b = w2_group_chunks(N // G)
         _w2_rows_kernel[(rows, w2_tiles)](
             topk_ids,
             scratch.gate_up_partials,
             w2_qweight, w2_scales, w2_qzeros,
-            scratch.row_outputs,
+            scratch.activations, scratch.row_outputs,
             rows,
             topk_weights, out, out.stride(0), scratch.combine_arrivals,
-            K=K, N=N, G=G, SPLITS=splits, WORDS=config.w2_block_k // 8,
-            GROUPS_A=groups_a, GROUPS_B=groups_b, TOP_K=top_k,
-            FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
+            K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=_next_pow2(N), TOP_K=top_k,
+            IS_BF16=is_bf16, FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
             num_warps=config.w2_warps, **launch_options(use_pdl),
         )
     if not config.fused_combine and "combine" in stages:

@@ -148,7 +148,7 @@ def _tune_grouped(hidden_states, topk_weights, weights: Sequence[torch.Tensor], 
     args = (hidden_states[:num_tokens], topk_weights[:num_tokens], None, *weights, group_size)
     best, best_us = None, float("inf")
     for candidate in configs.grouped_candidates():
-        us = _time_grouped(args, workspace, candidate.fitted(group_size, shape[2]), routings)
+        us = _time_grouped(args, workspace, candidate.fitted(shape[2]), routings)
         if us < best_us:
             best, best_us = candidate, us
     log.info("moe_grouped_decode: tuned %s M=%d -> %s (%.2f us)", shape, num_tokens, best, best_us)

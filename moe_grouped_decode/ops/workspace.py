@@ -15,13 +15,13 @@ Layout for capacity R rows (every region starts on a 64-byte boundary)::
     sorted_experts  [R]        int32  CUDA compaction scratch: the expert of each sorted position
     combine_arrivals [R*K/8]   int32  CUDA fused combine: W2 programs arrived per (token, column tile);
                                       M * ceil(K / w2_block_k) are used, this bounds it for any tile
-    activations     [R, N]     fp32   silu(gate) * up, one row per routed row (CPU implementation)
+    activations     [R, N]     fp32   silu(gate) * up, one row per routed row
     row_outputs     [R, K]     fp32   W2 output per routed row, before the combine
     gate_up_partials [S, R, 2N] fp32  CUDA W13 split-K partial sums, room for S = MAX_SPLIT_K splits
 
-The CUDA kernels keep the activations as W13 partials (every W2 program sums
-its row's in a fixed order), so they leave ``activations`` unused; the CPU
-implementation uses no partials.
+Every CUDA W2 program of a routed row sums the row's W13 partials in a fixed
+order and writes the same activations to ``activations`` (then reads its
+tensor-core fragments back from there); the CPU implementation uses no partials.
 """
 
 from __future__ import annotations

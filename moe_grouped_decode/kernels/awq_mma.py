@@ -1,0 +1,201 @@
+"""AutoAWQ int4 weights dequantized straight into tensor-core fragments (mma.sync m16n8k16).
+
+The grouped kernels multiply a few tokens by one expert's packed weights. On CUDA
+cores that costs about four instructions per weight (unpack, convert, subtract the
+zero, FMA); here one LOP3 turns two nibbles into one fp16 (or bf16) pair of an mma
+A fragment, and one mma does 256 products with float32 accumulation.
+
+One warp, one 32-row chunk of the reduction (inside one AWQ group), 64 output
+columns (8 packed int32 columns, ``c_0 .. c_7``)::
+
+    lane (g, t) = (lane // 4, lane % 4) owns packed column c_g and, in 16-row block
+    b = 0, 1, rows r = 16 b + 4 t + i (i = 0..3):
+
+      words[lane, 4b + i]  = qweight[k0 + r, c_g]          int32, 8 nibbles = 8 columns
+      x[lane, 4b + i]      = x[token g, k0 + r]            the B operand: token g in column g
+      scales[lane, j]      = scales[group, 8 c_g + j]      j = 0..7
+      zeros[lane]          = qzeros[group, c_g]
+
+    PRMT(words[4b], words[4b + 1]) puts one column's nibbles of rows (r, r + 1) at
+    bits 0-3 and 16-19 (or 4-7 and 20-23): LOP3 with the fp16 magic 1024 (64 for the
+    upper nibble; bf16 shifts instead: 128) gives the pair (magic + q) of the A
+    fragment. mma j takes columns 2j (A row g) and 2j + 1 (A row g + 8); a second
+    mma with A = -(magic + z) pairs (built from the zero word the same way) takes
+    the zero point out in the same float32 accumulator, so per column and token
+
+      D[col, tok] = scale[col] * sum_rows (q - z) * x[tok]
+
+    and lane (g, t) gets D for columns 8 c_g + {2j, 2j + 1} and tokens {2t, 2t + 1}:
+    output element 4j + c (c = 0..3) is column 2j + c // 2, token 2t + c % 2, in
+    ``d_lo`` for j = 0, 1 and ``d_hi`` for j = 2, 3.
+
+The mma sums (magic + q) x and -(magic + z) x in float32; the products are exact
+(11-bit by 11-bit) and the cancellation costs at most ~2**-24 * magic / |q - z|
+relative, far below the 16-bit output's rounding. ``SPLIT_X`` passes float32
+activations as a hi + lo pair of 16-bit halves (two mmas each), for W2, whose input
+(silu(gate) * up) is float32. Under ``TRITON_INTERPRET=1`` (no PTX) ``awq_mma_chunk``
+computes the same lane layout with plain tensor ops, so CPU CI checks every index.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+_INLINE_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+CHUNK_ROWS = tl.constexpr(32)  # reduction rows per awq_mma_chunk call (two m16n8k16 blocks)
+TILE_WORDS = tl.constexpr(8)  # packed int32 columns per warp (one per lane group g): 64 output columns
+
+_LO, _HI = "0x000F000F", "0x00F000F0"
+
+
+def _chunk_asm(bf16: bool, split_x: bool) -> str:
+    """PTX for one awq_mma_chunk: operands $0..$15 outputs (d_lo then d_hi), then the
+    8 words, the 16-bit x pairs (4 registers, 8 more for SPLIT_X), 4 scale pairs and 8
+    copies of the zero word."""
+    kind = "bf16" if bf16 else "f16"
+    words, x = 16, 24
+    x_lo = 28 if split_x else None
+    scales = 32 if split_x else 28
+    zero = scales + 4
+    # (shift, mask, magic) that brings column nibble position n (0..3 of a PRMT half) into a pair
+    if bf16:
+        extract = [(4 * n, _LO, "0x43004300") for n in range(4)]
+        neg = ["0xC300C300"] * 4
+    else:
+        extract = [(0, _LO, "0x64006400"), (0, _HI, "0x54005400"), (8, _LO, "0x64006400"), (8, _HI, "0x54005400")]
+        neg = ["0xE400E400", "0xD400D400", "0xE400E400", "0xD400D400"]
+    lines = ["{", ".reg .b32 zp<2>, z<8>;", ".reg .f32 d<16>, s<8>;", ".reg .b16 h<8>;"]
+
+    # zero splats: PRMT 0x1010 repeats bytes 0-1 (nibbles 0-3: columns 0, 2, 4, 6),
+    # 0x3232 bytes 2-3 (nibbles 4-7: columns 1, 3, 5, 7)
+    def shifted(src, prefix):
+        """{shift: register holding src >> shift} for the shifts ``extract`` uses."""
+        regs = {0: src}
+        for shift in sorted({shift for shift, _, _ in extract} - {0}):
+            regs[shift] = f"{prefix}s{shift}"
+            lines.append(f".reg .b32 {regs[shift]};")
+            lines.append(f"shr.u32 {regs[shift]}, {src}, {shift};")
+        return regs
+
+    for half, sel in ((0, "0x1010"), (1, "0x3232")):
+        lines.append(f"prmt.b32 zp{half}, ${zero}, ${zero}, {sel};")
+        regs = shifted(f"zp{half}", f"zp{half}")
+        for n, (shift, mask, _) in enumerate(extract):
+            lines.append(f"lop3.b32 z{2 * n + half}, {regs[shift]}, {mask}, {neg[n]}, 0xEA;")
+    lines += [f"mov.f32 d{r}, 0f00000000;" for r in range(16)]
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+    for block in range(2):
+        w = [f"${words + 4 * block + i}" for i in range(4)]
+        b_sets = [f"{{${x + 2 * block}, ${x + 2 * block + 1}}}"]
+        if split_x:
+            b_sets.append(f"{{${x_lo + 2 * block}, ${x_lo + 2 * block + 1}}}")
+        # wp<block><2p + half>: rows (4t + 2p, 4t + 2p + 1) interleaved; half 0 = nibbles 0-3, 1 = nibbles 4-7
+        srcs = {}
+        for p in range(2):
+            for half, sel in ((0, "0x5410"), (1, "0x7632")):
+                reg = f"wp{block}{2 * p + half}"
+                lines.append(f".reg .b32 {reg};")
+                lines.append(f"prmt.b32 {reg}, {w[2 * p]}, {w[2 * p + 1]}, {sel};")
+                srcs[p, half] = shifted(reg, reg)
+        for n, (_, mask, magic) in enumerate(extract):
+            # mma n: A rows g / g + 8 = columns 2n / 2n + 1 (PRMT halves 0 / 1), k pairs of rows p = 0, 1
+            lines.append("{ .reg .b32 a<4>;")
+            for reg, (p, half) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+                lines.append(f"lop3.b32 a{reg}, {srcs[p, half][extract[n][0]]}, {mask}, {magic}, 0xEA;")
+            d = f"{{d{4 * n}, d{4 * n + 1}, d{4 * n + 2}, d{4 * n + 3}}}"
+            za, zb = f"z{2 * n}", f"z{2 * n + 1}"
+            for b in b_sets:
+                lines.append(f"{mma} {d}, {{a0, a1, a2, a3}}, {b}, {d};")
+                lines.append(f"{mma} {d}, {{{za}, {zb}, {za}, {zb}}}, {b}, {d};")
+            lines.append("}")
+    for n in range(4):
+        lines += [f"mov.b32 {{h{2 * n}, h{2 * n + 1}}}, ${scales + n};",
+                  f"cvt.f32.{kind} s{2 * n}, h{2 * n};", f"cvt.f32.{kind} s{2 * n + 1}, h{2 * n + 1};"]
+        for c in range(4):
+            lines.append(f"mul.f32 ${4 * n + c}, d{4 * n + c}, s{2 * n + c // 2};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _constraints(split_x: bool) -> str:
+    return ",".join(["=f"] * 16 + ["r"] * (8 + 4 + (4 if split_x else 0) + 4 + 8))
+
+
+_ASM_F16 = tl.constexpr(_chunk_asm(False, False))
+_ASM_F16_SPLIT = tl.constexpr(_chunk_asm(False, True))
+_ASM_BF16 = tl.constexpr(_chunk_asm(True, False))
+_ASM_BF16_SPLIT = tl.constexpr(_chunk_asm(True, True))
+_CONSTRAINTS = tl.constexpr(_constraints(False))
+_CONSTRAINTS_SPLIT = tl.constexpr(_constraints(True))
+
+
+@triton.jit
+def _emulated_chunk(words, x, scales, zeros, WARPS: tl.constexpr):
+    """awq_mma_chunk with tensor ops, for the interpreter: the same lanes, the same outputs."""
+    column = tl.arange(0, 8)
+    shift = ((column % 2) * 4 + column // 2) * 4  # AutoAWQ nibble of logical column
+    q = (words[:, :, None] >> shift[None, None, :]) & 0xF  # [L, 8 rows, 8 columns]
+    z = (zeros >> shift[None, :]) & 0xF  # [L, 8 columns]
+    w = (q - z[:, None, :]).to(tl.float32)
+    # per warp: A[g, rows (t, e), col] and B[rows (t, e), tok = g']
+    w = tl.reshape(w, [WARPS, 8, 32, 8])
+    xb = tl.reshape(x, [WARPS, 8, 32])
+    d = tl.sum(w[:, :, None, :, :] * xb[:, None, :, :, None], axis=3)  # [W, g, tok, col]
+    s = tl.reshape(scales.to(tl.float32), [WARPS, 8, 4, 8])
+    d = d * tl.max(s, axis=2)[:, :, None, :]  # every t of a lane group holds the same scales
+    # lane (g, t) element 4j + c: column 2j + c // 2, token 2t + c % 2
+    d = tl.reshape(d, [WARPS, 8, 4, 2, 4, 2])  # [W, g, t, c % 2, j, c // 2]
+    d = tl.permute(d, [0, 1, 2, 4, 5, 3])  # [W, g, t, j, c // 2, c % 2]
+    d = tl.reshape(d, [WARPS * 32, 2, 8])  # [lane, j // 2, 4 (j % 2) + c]
+    d_lo, d_hi = tl.split(tl.permute(d, [0, 2, 1]))
+    return d_lo, d_hi
+
+
+@triton.jit
+def awq_mma_chunk(words, x_hi, x_lo, scales, zeros, IS_BF16: tl.constexpr, SPLIT_X: tl.constexpr,
+                  WARPS: tl.constexpr):
+    """One 32-row chunk of a warp's 64 columns (layout in the module docstring), for every
+    warp of the program: ``words`` int32, ``x_hi`` / ``x_lo`` 16-bit and ``scales`` [32 * WARPS, 8],
+    ``zeros`` int32 [32 * WARPS, 1]. Returns float32 (d_lo, d_hi) [32 * WARPS, 8]; ``x_lo`` is
+    read only with SPLIT_X (x = x_hi + x_lo)."""
+    if _INLINE_PTX:
+        if SPLIT_X:
+            if IS_BF16:
+                return tl.inline_asm_elementwise(_ASM_BF16_SPLIT, _CONSTRAINTS_SPLIT, [words, x_hi, x_lo, scales, zeros],
+                                                 dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
+            else:
+                return tl.inline_asm_elementwise(_ASM_F16_SPLIT, _CONSTRAINTS_SPLIT, [words, x_hi, x_lo, scales, zeros],
+                                                 dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
+        else:
+            if IS_BF16:
+                return tl.inline_asm_elementwise(_ASM_BF16, _CONSTRAINTS, [words, x_hi, scales, zeros],
+                                                 dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
+            else:
+                return tl.inline_asm_elementwise(_ASM_F16, _CONSTRAINTS, [words, x_hi, scales, zeros],
+                                                 dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
+    else:
+        x = x_hi.to(tl.float32)
+        if SPLIT_X:
+            x += x_lo.to(tl.float32)
+        return _emulated_chunk(words, x, scales, zeros, WARPS)
+
+
+@triton.jit
+def chunk_lanes(WARPS: tl.constexpr):
+    """Index tensors of the fragment layout: (warp, g, t) [32 * WARPS, 1] and e [1, 8]."""
+    lane = tl.arange(0, 32 * WARPS)[:, None]
+    return lane // 32, (lane % 32) // 4, lane % 4, tl.arange(0, 8)[None, :]
+
+
+@triton.jit
+def chunk_rows(k0, t, e):
+    """Reduction row of element e of lane group t in the chunk starting at row k0."""
+    return k0 + (e // 4) * 16 + 4 * t + e % 4
+
+
+@triton.jit
+def chunk_columns(word, e):
+    """Output column (token column 0 or 1 aside) of element e in d_lo (add 4 for d_hi)."""
+    return word * 8 + 2 * (e // 4) + (e % 4) // 2
