@@ -52,8 +52,8 @@ _LO, _HI = "0x000F000F", "0x00F000F0"
 
 def _chunk_asm(bf16: bool, split_x: bool) -> str:
     """PTX for one awq_mma_chunk: operands $0..$15 outputs (d_lo then d_hi), then the
-    8 words, the 16-bit x pairs (4 registers, 8 more for SPLIT_X), 4 scale pairs and 8
-    copies of the zero word."""
+    8 words, the 16-bit x pairs (4 registers, 4 more for SPLIT_X's lo halves), 4 scale
+    pairs and 8 copies of the zero word."""
     kind = "bf16" if bf16 else "f16"
     words, x = 16, 24
     x_lo = 28 if split_x else None
@@ -68,8 +68,6 @@ def _chunk_asm(bf16: bool, split_x: bool) -> str:
         neg = ["0xE400E400", "0xD400D400", "0xE400E400", "0xD400D400"]
     lines = ["{", ".reg .b32 zp<2>, z<8>;", ".reg .f32 d<16>, s<8>;", ".reg .b16 h<8>;"]
 
-    # zero splats: PRMT 0x1010 repeats bytes 0-1 (nibbles 0-3: columns 0, 2, 4, 6),
-    # 0x3232 bytes 2-3 (nibbles 4-7: columns 1, 3, 5, 7)
     def shifted(src, prefix):
         """{shift: register holding src >> shift} for the shifts ``extract`` uses."""
         regs = {0: src}
@@ -79,6 +77,8 @@ def _chunk_asm(bf16: bool, split_x: bool) -> str:
             lines.append(f"shr.u32 {regs[shift]}, {src}, {shift};")
         return regs
 
+    # zero splats: PRMT 0x1010 repeats bytes 0-1 (nibbles 0-3: columns 0, 2, 4, 6),
+    # 0x3232 bytes 2-3 (nibbles 4-7: columns 1, 3, 5, 7)
     for half, sel in ((0, "0x1010"), (1, "0x3232")):
         lines.append(f"prmt.b32 zp{half}, ${zero}, ${zero}, {sel};")
         regs = shifted(f"zp{half}", f"zp{half}")
