@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/sass_stats.py [--dump DIR]
 
 No GPU needed: the counts explain the measured times (docs/PERF.md) without device time.
-Prints, per kernel at the qwen3.8-tp4 shape, launch config and token count M, specialized
+Prints, per kernel at the qwen3.8-tp4 shape, dtype, launch config and token count M, specialized
 as a launch specializes it (pointer and integer alignment): registers, stack (spills),
 instructions by class and lane-instructions per weight. The tile programs are loop-free,
 so a static count is what one program issues, except that the W13 kernel also holds
@@ -86,29 +86,30 @@ def main(argv=None):
     parser.add_argument("--dump", default="")
     args = parser.parse_args(argv)
     K, N, G, k = c.hidden_size, c.intermediate_size, c.group_size, c.top_k
-    for M in (2, 8):
-        config = configs.grouped_config(QWEN38_TP4_SHAPE, "fp16", M)
+    for dtype, M in (("fp16", 2), ("fp16", 8), ("bf16", 8)):  # bf16: its own PTX (magic numbers, mma kind)
+        config = configs.grouped_config(QWEN38_TP4_SHAPE, dtype, M)
+        pointers = dict(PTR16, **{name: f"*{dtype}" for name in ("x_ptr", "scales_ptr", "out_ptr")})
         rows = M * k
         w2_tiles = -(-K // config.w2_block_k)
         arrivals = M * w2_tiles if config.fused_combine else 0
         w13_consts = dict(TOP_K=k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps,
-                          IS_BF16=False, USE_PDL=config.pdl)
+                          IS_BF16=dtype == "bf16", USE_PDL=config.pdl)
         w13_ints = dict(stride_xm=K, rows=rows, num_arrivals=arrivals)
         w13_weights = config.w13_block_k * 64
         # as launched at this M: registers and spills of the kernel that runs
         w13 = compile_kernel(grouped._w13_kernel, dict(
             w13_consts, R_PAD=max(16, grouped._next_pow2(rows)),
-            ARRIVALS_PAD=grouped._next_pow2(arrivals) if arrivals else 0), PTR16, config.w13_warps, w13_ints)
-        stats(f"M={M} w13", w13, w13_weights, args.dump)
+            ARRIVALS_PAD=grouped._next_pow2(arrivals) if arrivals else 0), pointers, config.w13_warps, w13_ints)
+        stats(f"M={M} {dtype} w13", w13, w13_weights, args.dump)
         # program 0's sort and counter zeroing cut down to nothing: the tile programs' own count
-        w13_tile = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=16, ARRIVALS_PAD=0), PTR16,
+        w13_tile = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=16, ARRIVALS_PAD=0), pointers,
                                   config.w13_warps, w13_ints)
-        stats(f"M={M} w13-tile-path", w13_tile, w13_weights, args.dump)
+        stats(f"M={M} {dtype} w13-tile-path", w13_tile, w13_weights, args.dump)
         w2 = compile_kernel(grouped._w2_rows_kernel, dict(
             K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, N_PAD=grouped._next_pow2(N),
-            TOP_K=k, IS_BF16=False, FUSED_COMBINE=config.fused_combine, USE_PDL=config.pdl), PTR16, config.w2_warps,
-            dict(rows=rows, stride_om=K))
-        stats(f"M={M} w2", w2, N * config.w2_block_k, args.dump)
+            TOP_K=k, IS_BF16=dtype == "bf16", FUSED_COMBINE=config.fused_combine, USE_PDL=config.pdl), pointers,
+            config.w2_warps, dict(rows=rows, stride_om=K))
+        stats(f"M={M} {dtype} w2", w2, N * config.w2_block_k, args.dump)
     return 0
 
 

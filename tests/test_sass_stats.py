@@ -1,7 +1,8 @@
 """benchmarks/sass_stats.py compiles the shipped grouped kernels for sm_90 on a CPU machine.
 
-Guards the tool against kernel signature changes, and one compile-time property
-of the kernels the performance work relies on: no register spills (a spill turns
+Guards the tool against kernel signature changes, compiles every inline-PTX variant
+(fp16 and bf16; W2's hi + lo activations) through ptxas, and checks one compile-time
+property of the kernels the performance work relies on: no register spills (a spill turns
 every tile into local-memory traffic). Needs no GPU: Triton's bundled ptxas and
 cuobjdump do the work.
 """
@@ -21,9 +22,9 @@ def test_grouped_kernels_compile_for_sm90_without_spills():
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_stats.py")],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if re.match(r"M=\d+ w(13|2):", line)]
-    kernels = {line.split(":")[0].split()[1] for line in lines}
-    assert kernels == {"w13", "w2"}, result.stdout
+    lines = [line for line in result.stdout.splitlines() if re.match(r"M=\d+ (fp16|bf16) w(13|2):", line)]
+    kernels = {tuple(line.split(":")[0].split()[1:]) for line in lines}
+    assert kernels == {("fp16", "w13"), ("fp16", "w2"), ("bf16", "w13"), ("bf16", "w2")}, result.stdout
     for line in lines:
         registers = int(re.search(r"regs=(\d+)", line).group(1))
         stack = int(re.search(r"stack=(\d+)", line).group(1))
