@@ -1,9 +1,10 @@
 """Compile the grouped kernels for sm_90 on any machine (Triton's bundled ptxas) and count SASS.
 
-    PYTHONPATH=. python benchmarks/sass_stats.py [--dump DIR]
+    PYTHONPATH=. python benchmarks/sass_stats.py [--dump DIR] [--arch 80]
 
 No GPU needed: the counts explain the measured times (docs/PERF.md) without device time.
-Prints, per kernel at the qwen3.8-tp4 shape, dtype, launch config and token count M, specialized
+Exits non-zero if an inline mma's operands are not laid out one row per lane
+(check_fragment_layouts). Prints, per kernel at the qwen3.8-tp4 shape, dtype, launch config and token count M, specialized
 as a launch specializes it (pointer and integer alignment): registers, stack (spills),
 instructions by class and lane-instructions per weight. The tile programs are loop-free,
 so a static count is what one program issues, except that the W13 kernel also holds
@@ -58,6 +59,24 @@ def cuobjdump(kernel, flag) -> str:
         return subprocess.run([str(CUOBJDUMP), flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
+def check_fragment_layouts(name, kernel, num_warps):
+    """The inline-PTX mma (kernels/awq_mma.py) takes each lane's 8 consecutive elements as its
+    fragment registers: that holds only if Triton lays its [32 * warps, 8] operands out one
+    row per lane (threadsPerWarp [32, 1], warpsPerCTA [warps, 1]). Nothing in Triton promises
+    that layout, so check it in the compiled TTGIR (a Triton upgrade could change it)."""
+    ttgir = kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<\{.*\}>)$", ttgir, re.M))
+    calls = [line for line in ttgir.splitlines() if "elementwise_inline_asm" in line and "mma.sync" in line]
+    if not calls:
+        raise SystemExit(f"{name}: no inline mma found in the TTGIR")
+    want = f"threadsPerWarp = [32, 1], warpsPerCTA = [{num_warps}, 1]"
+    for line in calls:
+        for ref in set(re.findall(r"tensor<[^>]*, (#\w+)>", line.split(" : ", 1)[1])):
+            if want not in layouts.get(ref, ""):
+                raise SystemExit(f"{name}: an inline mma operand is laid out as {layouts.get(ref, ref)}, not one row per "
+                                 f"lane ({want})")
+
+
 def stats(name, kernel, weights_per_program, dump=None):
     text = cuobjdump(kernel, "-sass")
     usage = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(kernel, "-res-usage"))
@@ -84,16 +103,20 @@ PTR16 = {"x_ptr": "*fp16", "ids_ptr": "*i32", "qweight_ptr": "*i32", "scales_ptr
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--dump", default="")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (80: the kernels' minimum)")
     args = parser.parse_args(argv)
+    global TARGET
+    TARGET = GPUTarget("cuda", args.arch, 32)
     K, N, G, k = c.hidden_size, c.intermediate_size, c.group_size, c.top_k
     for dtype, M in (("fp16", 2), ("fp16", 8), ("bf16", 8)):  # bf16: its own PTX (magic numbers, mma kind)
         config = configs.grouped_config(QWEN38_TP4_SHAPE, dtype, M)
+        use_pdl = config.pdl and args.arch >= 90  # as kernels.pdl.pdl_supported decides at launch
         pointers = dict(PTR16, **{name: f"*{dtype}" for name in ("x_ptr", "scales_ptr", "out_ptr")})
         rows = M * k
         w2_tiles = -(-K // config.w2_block_k)
         arrivals = M * w2_tiles if config.fused_combine else 0
         w13_consts = dict(TOP_K=k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps,
-                          IS_BF16=dtype == "bf16", USE_PDL=config.pdl)
+                          SPLITS=config.w13_splits(K), IS_BF16=dtype == "bf16", USE_PDL=use_pdl)
         w13_ints = dict(stride_xm=K, rows=rows, num_arrivals=arrivals)
         w13_weights = config.w13_block_k * 64
         # as launched at this M: registers and spills of the kernel that runs
@@ -101,15 +124,17 @@ def main(argv=None):
             w13_consts, R_PAD=max(16, grouped._next_pow2(rows)),
             ARRIVALS_PAD=grouped._next_pow2(arrivals) if arrivals else 0), pointers, config.w13_warps, w13_ints)
         stats(f"M={M} {dtype} w13", w13, w13_weights, args.dump)
+        check_fragment_layouts(f"M={M} {dtype} w13", w13, config.w13_warps)
         # program 0's sort and counter zeroing cut down to nothing: the tile programs' own count
         w13_tile = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=16, ARRIVALS_PAD=0), pointers,
                                   config.w13_warps, w13_ints)
         stats(f"M={M} {dtype} w13-tile-path", w13_tile, w13_weights, args.dump)
         w2 = compile_kernel(grouped._w2_rows_kernel, dict(
             K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, N_PAD=grouped._next_pow2(N),
-            TOP_K=k, IS_BF16=dtype == "bf16", FUSED_COMBINE=config.fused_combine, USE_PDL=config.pdl), pointers,
+            TOP_K=k, IS_BF16=dtype == "bf16", FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl), pointers,
             config.w2_warps, dict(rows=rows, stride_om=K))
         stats(f"M={M} {dtype} w2", w2, N * config.w2_block_k, args.dump)
+        check_fragment_layouts(f"M={M} {dtype} w2", w2, config.w2_warps)
     return 0
 
 

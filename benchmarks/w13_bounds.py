@@ -8,8 +8,8 @@ Per M (CUDA-graph replay over 32 layers of distinct weights, L2 cold, random rou
                  stay in L2, so DRAM is out of the picture (issue and latency only)
   read R x W     a read-only kernel over exactly W13's bytes per routed row, in tiles of
                  R rows x W packed int32 columns per program (xor-reduced, nothing else):
-                 256 x 8 is the shipped tile; 64 x 64 (masked to the row's 40 int32s)
-                 reads whole 160-byte rows
+                 256 x 8 was v6a's tile (v7 reads 128-512 rows x 8 int32s, four rows per
+                 lane); 64 x 64 (masked to the row's 40 int32s) reads whole 160-byte rows
 """
 import sys
 

@@ -24,6 +24,7 @@ from moe_grouped_decode.ops.workspace import alloc_workspace, workspace_views  #
 # mantissa bits, so its correctly rounded output alone can sit 2^-8 * max|ref| away:
 # 8x the bound, as the CPU op tests use.
 BOUND = {torch.float16: 2e-3, torch.bfloat16: 16e-3}
+ROW_OUTPUT_BOUND = {torch.float16: 1e-5, torch.bfloat16: 1e-4}
 
 
 def output_buffer(x: torch.Tensor) -> torch.Tensor:
@@ -78,6 +79,24 @@ def run_grouped(weights, x, tw, ids, config: GroupedConfig):
     return out, views
 
 
+def check_row_outputs(name: str, weights, x, ids, views) -> None:
+    """W2's float32 row outputs (before the combine) against float64, to a bound far tighter
+    than the 16-bit outputs': it fails if W2 drops the lo half of its activations (a 16-bit
+    act alone is off by ~2^-12 of max|ref| in fp16, ~2^-9 in bf16)."""
+    k = ids.shape[1]
+    ref = torch.empty(ids.numel(), x.shape[1], dtype=torch.float64)
+    for row, expert in enumerate(ids.flatten().tolist()):
+        w13, w2 = (w.double() for w in weights.dequantized_expert(expert))
+        gate_up = x[row // k].double() @ w13
+        act = torch.nn.functional.silu(gate_up[: w2.shape[0]]) * gate_up[w2.shape[0]:]
+        ref[row] = act @ w2
+    scaled = ((views.row_outputs.double() - ref).abs().max() / ref.abs().max()).item()
+    bound = ROW_OUTPUT_BOUND[x.dtype]
+    print(f"{'ok  ' if scaled <= bound else 'FAIL'} {name}: row outputs scaled={scaled:.3g} (bound {bound})", flush=True)
+    if scaled > bound:
+        sys.exit(1)
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     # K=64, 2N=64: one W13 column tile of 8 int32s, two 32-row K-splits, one W2 column tile
@@ -87,8 +106,8 @@ def main() -> None:
         (8, 2, 64, 32, 32, 1, "random", torch.float16, base),  # smallest batch, one chunk per K-split
         (8, 3, 64, 32, 32, 3, "round_robin", torch.bfloat16, dataclasses.replace(base, w13_block_k=64)),  # experts shared across tokens, both chunks in one split, bf16
         (8, 3, 128, 64, 64, 4, "single_hot", torch.float16, dataclasses.replace(base, w13_block_k=64, w13_warps=2)),  # multi-row segments, G = 64 (two chunks per group), two warps summed in W13, two W13 column tiles
-        # K = 96 = 12 int32 columns: W2's second column tile is half masked; K-splits of 64 rows: the
-        # second is half masked; N // 32 = 2 chunks in W2, two warps per W2 program
+        # K = 96 = 12 int32 columns: the second warp of the one 2-warp W2 program has its 64 columns
+        # half masked; K-splits of 64 rows: the second is half masked; N // 32 = 2 chunks in W2
         (8, 2, 96, 64, 32, 3, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w2_warps=2)),
         # the combine as its own launch (not fused into W2): multi-row segments, two W2 column tiles
         (8, 3, 128, 32, 32, 4, "single_hot", torch.float16, dataclasses.replace(base, fused_combine=False)),
@@ -101,6 +120,7 @@ def main() -> None:
         name = f"grouped E={E} k={k} K={K} N={N} G={G} M={M} {pattern} {dtype} {config}"
         out, views = run_grouped(weights, x, tw, ids, config)
         check(name, out, reference_moe(x, tw, ids, *weights.op_args()), dtype)
+        check_row_outputs(name, weights, x, ids, views)
         check_segments(name, ids, views)
         # the last token alone gives the same bits (position and neighbour independence)
         alone, _ = run_grouped(weights, x[-1:], tw[-1:], ids[-1:], config)

@@ -88,6 +88,17 @@ def test_explicit_on_fails_closed_naming_what_is_missing(monkeypatch):
     assert kernels_unavailable_reason("cpu") is None  # the torch implementations run on any CPU
 
 
+def test_pre_ampere_gpu_is_named_and_fails_closed(monkeypatch):
+    # the grouped kernels use tensor-core mma.sync m16n8k16: sm_80 and newer (a T4 is 7.5)
+    assert "compute capability 8.0 or newer" in kernels_unavailable_reason("cuda", (7, 5))
+    assert "this one is 7.5" in kernels_unavailable_reason("cuda", (7, 5))
+    monkeypatch.delenv(GROUPED_DECODE_ENV, raising=False)
+    assert check_switch("cuda", (7, 0)) is False  # unset: silently dense
+    monkeypatch.setenv(GROUPED_DECODE_ENV, "1")
+    with pytest.raises(RuntimeError, match=r"VLLM_AWQ_MOE_GROUPED_DECODE=1 .* compute capability 8.0 .* 7.0"):
+        check_switch("cuda", (7, 0))
+
+
 def test_contracts_travel_through_the_environment(monkeypatch):
     contract = TINY.contract("env-test", min_tokens=2, max_tokens=6)
     text = contracts_to_json([contract, QWEN38_TP4])

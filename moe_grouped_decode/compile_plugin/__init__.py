@@ -27,11 +27,12 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from .contracts_env import register_env_contracts
-    from .startup import check_switch
+    from .startup import check_switch, device_capability
 
     _log_with_vllm()
     register_env_contracts()
-    check_switch(current_platform.device_type)  # raises on an explicit =1 that cannot run here
+    # raises on an explicit =1 that cannot run here
+    check_switch(current_platform.device_type, device_capability(current_platform))
     from . import passes, quant_config  # noqa: F401  (quantization override, replacement ops)
 
     _registered = True

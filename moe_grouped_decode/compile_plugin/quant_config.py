@@ -28,7 +28,7 @@ from vllm.platforms import current_platform
 
 from ..contract import Admission, admits
 from .moe_method import AwqMoeGroupedDecodeMethod, layer_shape, unservable_reason
-from .startup import LayerDecision, check_switch, record_layer
+from .startup import LayerDecision, check_switch, device_capability, record_layer
 
 QUANTIZATION_NAME = "moe_grouped_decode_awq"
 # what a user may pass as --quantization and still get this config
@@ -82,7 +82,7 @@ class GroupedDecodeAwqConfig(AutoAWQConfig):
         unservable = unservable_reason(layer, self)
         if unservable is not None:
             admission = Admission(None, f"the plugin's ops do not compute {unservable}")
-        elif not check_switch(current_platform.device_type):
+        elif not check_switch(current_platform.device_type, device_capability(current_platform)):
             admission = Admission(None, "grouped route switched off or unavailable here")
         else:
             admission = admits(shape, None)

@@ -9,20 +9,22 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from ..contract import Admission, LayerShape, admits
 from ..env import GROUPED_DECODE_ENV, GroupedDecodeMode, grouped_decode_mode
+from ..kernels import MIN_CUDA_CAPABILITY
 
 logger = logging.getLogger("moe_grouped_decode")
 
 
-def kernels_unavailable_reason(device_type: str) -> Optional[str]:
+def kernels_unavailable_reason(device_type: str, capability: Optional[Tuple[int, int]] = None) -> Optional[str]:
     """What is missing for the grouped op to run on ``device_type``, or None.
 
-    CPU: nothing (the ops' torch implementations run anywhere). CUDA: Triton,
+    CPU: nothing (the ops' torch implementations run anywhere). CUDA: compute
+    capability ``MIN_CUDA_CAPABILITY`` or newer (when ``capability`` is known), Triton,
     and CUDA implementations registered for both ops (``moe_grouped_decode.ops.cuda``).
     Any other device: the ops have no implementation there.
     """
@@ -30,6 +32,9 @@ def kernels_unavailable_reason(device_type: str) -> Optional[str]:
         return None
     if device_type != "cuda":
         return f"no implementation of the moe_grouped_decode ops for device type {device_type!r}"
+    if capability is not None and tuple(capability) < MIN_CUDA_CAPABILITY:
+        return (f"the grouped kernels need a GPU of compute capability {MIN_CUDA_CAPABILITY[0]}."
+                f"{MIN_CUDA_CAPABILITY[1]} or newer (tensor-core mma.sync), this one is {capability[0]}.{capability[1]}")
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install triton)"
     missing = [
@@ -42,17 +47,25 @@ def kernels_unavailable_reason(device_type: str) -> Optional[str]:
     return None
 
 
-def check_switch(device_type: str) -> bool:
+def device_capability(platform) -> Optional[Tuple[int, int]]:
+    """(major, minor) of vLLM's current platform's device, or None (CPU, unknown). vLLM's
+    CUDA platform asks NVML, so this does not initialize CUDA in the calling process."""
+    capability = platform.get_device_capability()
+    return None if capability is None else (capability.major, capability.minor)
+
+
+def check_switch(device_type: str, capability: Optional[Tuple[int, int]] = None) -> bool:
     """Whether the grouped route is on for this process; fail closed on an explicit 1.
 
     ``VLLM_AWQ_MOE_GROUPED_DECODE=0``: off. Unset: on where the kernels can run,
     silently off elsewhere. ``=1`` where they cannot run: RuntimeError naming
-    what is missing.
+    what is missing. ``capability``: the GPU's (major, minor), as vLLM's platform
+    reports it without initializing CUDA (None where unknown).
     """
     mode = grouped_decode_mode()
     if mode is GroupedDecodeMode.OFF:
         return False
-    missing = kernels_unavailable_reason(device_type)
+    missing = kernels_unavailable_reason(device_type, capability)
     if missing is None:
         return True
     if mode is GroupedDecodeMode.REQUIRED:

@@ -3,7 +3,8 @@
 The grouped kernels multiply a few tokens by one expert's packed weights. On CUDA
 cores that costs about four instructions per weight (unpack, convert, subtract the
 zero, FMA); here one LOP3 turns two nibbles into one fp16 (or bf16) pair of an mma
-A fragment, and one mma does 256 products with float32 accumulation.
+A fragment, and one mma covers 256 weights (16 x 16, times 8 token columns) with
+float32 accumulation.
 
 One warp, one 32-row chunk of the reduction (inside one AWQ group), 64 output
 columns (8 packed int32 columns, ``c_0 .. c_7``)::
@@ -30,8 +31,9 @@ columns (8 packed int32 columns, ``c_0 .. c_7``)::
     ``d_lo`` for j = 0, 1 and ``d_hi`` for j = 2, 3.
 
 The mma sums (magic + q) x and -(magic + z) x in float32; the products are exact
-(11-bit by 11-bit) and the cancellation costs at most ~2**-24 * magic / |q - z|
-relative, far below the 16-bit output's rounding. ``SPLIT_X`` passes float32
+(11-bit by 11-bit), and the cancellation leaves an absolute error of about
+2**-24 * magic * sum |x| per chunk: near 1e-4 of a typical output, below the fp16
+output's rounding at the outputs' scale, many ULPs of an output that is near zero. ``SPLIT_X`` passes float32
 activations as a hi + lo pair of 16-bit halves (two mmas each), for W2, whose input
 (silu(gate) * up) is float32. Under ``TRITON_INTERPRET=1`` (no PTX) ``awq_mma_chunk``
 computes the same lane layout with plain tensor ops, so CPU CI checks every index.
@@ -41,6 +43,8 @@ import os
 
 import triton
 import triton.language as tl
+
+from .awq_tiles import awq_column_shift
 
 _INLINE_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
@@ -66,7 +70,7 @@ def _chunk_asm(bf16: bool, split_x: bool) -> str:
     else:
         extract = [(0, _LO, "0x64006400"), (0, _HI, "0x54005400"), (8, _LO, "0x64006400"), (8, _HI, "0x54005400")]
         neg = ["0xE400E400", "0xD400D400", "0xE400E400", "0xD400D400"]
-    lines = ["{", ".reg .b32 zp<2>, z<8>;", ".reg .f32 d<16>, s<8>;", ".reg .b16 h<8>;"]
+    lines = ["{", ".reg .b32 zp<2>, z<8>, s<8>;", ".reg .f32 d<16>;", ".reg .b16 h<8>;"]
 
     def shifted(src, prefix):
         """{shift: register holding src >> shift} for the shifts ``extract`` uses."""
@@ -111,8 +115,11 @@ def _chunk_asm(bf16: bool, split_x: bool) -> str:
                 lines.append(f"{mma} {d}, {{{za}, {zb}, {za}, {zb}}}, {b}, {d};")
             lines.append("}")
     for n in range(4):
-        lines += [f"mov.b32 {{h{2 * n}, h{2 * n + 1}}}, ${scales + n};",
-                  f"cvt.f32.{kind} s{2 * n}, h{2 * n};", f"cvt.f32.{kind} s{2 * n + 1}, h{2 * n + 1};"]
+        if bf16:  # a bf16 is the upper half of its float32 (cvt.f32.bf16 would need sm_90)
+            lines += [f"shl.b32 s{2 * n}, ${scales + n}, 16;", f"and.b32 s{2 * n + 1}, ${scales + n}, 0xFFFF0000;"]
+        else:
+            lines += [f"mov.b32 {{h{2 * n}, h{2 * n + 1}}}, ${scales + n};",
+                      f"cvt.f32.f16 s{2 * n}, h{2 * n};", f"cvt.f32.f16 s{2 * n + 1}, h{2 * n + 1};"]
         for c in range(4):
             lines.append(f"mul.f32 ${4 * n + c}, d{4 * n + c}, s{2 * n + c // 2};")
     lines.append("}")
@@ -134,8 +141,7 @@ _CONSTRAINTS_SPLIT = tl.constexpr(_constraints(True))
 @triton.jit
 def _emulated_chunk(words, x, scales, zeros, WARPS: tl.constexpr):
     """awq_mma_chunk with tensor ops, for the interpreter: the same lanes, the same outputs."""
-    column = tl.arange(0, 8)
-    shift = ((column % 2) * 4 + column // 2) * 4  # AutoAWQ nibble of logical column
+    shift = awq_column_shift(tl.arange(0, 8))
     q = (words[:, :, None] >> shift[None, None, :]) & 0xF  # [L, 8 rows, 8 columns]
     z = (zeros >> shift[None, :]) & 0xF  # [L, 8 columns]
     w = (q - z[:, None, :]).to(tl.float32)
@@ -143,12 +149,14 @@ def _emulated_chunk(words, x, scales, zeros, WARPS: tl.constexpr):
     w = tl.reshape(w, [WARPS, 8, 32, 8])
     xb = tl.reshape(x, [WARPS, 8, 32])
     d = tl.sum(w[:, :, None, :, :] * xb[:, None, :, :, None], axis=3)  # [W, g, tok, col]
-    s = tl.reshape(scales.to(tl.float32), [WARPS, 8, 4, 8])
-    d = d * tl.max(s, axis=2)[:, :, None, :]  # every t of a lane group holds the same scales
     # lane (g, t) element 4j + c: column 2j + c // 2, token 2t + c % 2
     d = tl.reshape(d, [WARPS, 8, 4, 2, 4, 2])  # [W, g, t, c % 2, j, c // 2]
     d = tl.permute(d, [0, 1, 2, 4, 5, 3])  # [W, g, t, j, c // 2, c % 2]
     d = tl.reshape(d, [WARPS * 32, 2, 8])  # [lane, j // 2, 4 (j % 2) + c]
+    # each lane's own scales: column 2j + c // 2 of its packed column
+    s = tl.reshape(scales.to(tl.float32), [WARPS * 32, 4, 2])  # [lane, j, c // 2]
+    s = tl.broadcast_to(s[:, :, :, None], [WARPS * 32, 4, 2, 2])  # [lane, j, c // 2, c % 2]
+    d = d * tl.reshape(s, [WARPS * 32, 2, 8])
     d_lo, d_hi = tl.split(tl.permute(d, [0, 2, 1]))
     return d_lo, d_hi
 

@@ -1,4 +1,5 @@
-"""Triton helpers of the dense kernels: AWQ int4 tiles in registers (the grouped kernels use awq_mma).
+"""Triton helpers of the dense kernels (AWQ int4 tiles in registers; the grouped kernels use
+awq_mma) and the two small helpers both routes share: ``awq_column_shift`` and ``silu_mul``.
 
 AutoAWQ packs 8 columns into one int32 with an interleave: logical column c of
 an 8-column block sits at nibble ``(c % 2) * 4 + c // 2`` (i.e. nibble i holds
@@ -21,9 +22,13 @@ def unpack_awq_columns(packed, BLOCK_N: tl.constexpr):
     wide = tl.interleave(packed, packed)
     wide = tl.interleave(wide, wide)
     wide = tl.interleave(wide, wide)
-    column_in_block = tl.arange(0, BLOCK_N) % 8
-    shift = ((column_in_block % 2) * 4 + column_in_block // 2) * 4
-    return (wide >> shift[None, :]) & 0xF
+    return (wide >> awq_column_shift(tl.arange(0, BLOCK_N) % 8)[None, :]) & 0xF
+
+
+@triton.jit
+def awq_column_shift(column):
+    """Bit offset of logical column ``column`` (0..7) in its AutoAWQ int32."""
+    return ((column % 2) * 4 + column // 2) * 4
 
 
 @triton.jit

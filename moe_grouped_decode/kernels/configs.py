@@ -46,16 +46,12 @@ class GroupedConfig:
         return -(-hidden_size // self.w13_block_k)
 
     def fitted(self, hidden_size: int) -> "GroupedConfig":
-        """Round W13's split to whole chunks for every warp, growing it until the splits fit
-        the workspace's partials region (MAX_SPLIT_K)."""
-        chunks = _pow2_at_most(max(1, self.w13_chunks))
+        """Round W13's split down to whole chunks for every warp, growing it until the splits
+        fit the workspace's partials region (MAX_SPLIT_K)."""
+        chunks = max(1, self.w13_chunks)
         while -(-hidden_size // (chunks * 32 * self.w13_warps)) > MAX_SPLIT_K:
             chunks *= 2
         return dataclasses.replace(self, w13_block_k=chunks * 32 * self.w13_warps)
-
-
-def _pow2_at_most(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
 
 
 @dataclass(frozen=True)
@@ -82,7 +78,7 @@ MAX_SPLIT_K = 32
 # (E, k, K, N, G) of the qwen3.8-tp4 contract.
 QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 
-# Sweep winners on H200, fp16 (docs/PERF.md v7, `bench --sweep 2,4,8`), keyed by token count M:
+# Sweep winners on H200, fp16 (docs/PERF.md v7; docs/bench/explorations.md runs 6 and 7), keyed by M:
 # more tokens want fewer W13 splits (every W2 program sums its row's splits again).
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
     2: GroupedConfig(w13_block_k=128, w2_warps=8),

@@ -36,6 +36,8 @@ are bit-identical across runs and batch positions.
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Tuple
 
 import torch
@@ -43,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .awq_mma import CHUNK_ROWS, TILE_WORDS, awq_mma_chunk, chunk_columns, chunk_lanes, chunk_rows
+from . import MIN_CUDA_CAPABILITY
 from .awq_tiles import silu_mul
 from .combine import combine_rows, combine_tile
 from .configs import GroupedConfig
@@ -94,8 +97,8 @@ def _w13_kernel(
     sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr,
     arrivals_ptr, num_arrivals,
     TOP_K: tl.constexpr, K: tl.constexpr, TWO_N: tl.constexpr, G: tl.constexpr,
-    CHUNKS: tl.constexpr, WARPS: tl.constexpr, R_PAD: tl.constexpr, ARRIVALS_PAD: tl.constexpr,
-    IS_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+    CHUNKS: tl.constexpr, WARPS: tl.constexpr, SPLITS: tl.constexpr, R_PAD: tl.constexpr,
+    ARRIVALS_PAD: tl.constexpr, IS_BF16: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols].
 
@@ -103,7 +106,7 @@ def _w13_kernel(
     combine counters; program 1 + ((row * SPLITS) + s) * TILES + tile does the 64
     columns of ``tile`` over the WARPS * CHUNKS 32-row chunks of split s: warp w
     takes chunks w * CHUNKS .. (w + 1) * CHUNKS - 1 on tensor cores (awq_mma), then
-    the warps' sums are added in warp order.
+    the warps' sums are added (one fixed reduction tree).
     """
     let_next_launch_start(USE_PDL)
     pid = tl.program_id(0)
@@ -117,7 +120,6 @@ def _w13_kernel(
     PACKED_N: tl.constexpr = TWO_N // 8
     TILES: tl.constexpr = PACKED_N // TILE_WORDS
     SPLIT_ROWS: tl.constexpr = WARPS * CHUNKS * CHUNK_ROWS
-    SPLITS: tl.constexpr = (K + SPLIT_ROWS - 1) // SPLIT_ROWS
     work = pid - 1
     tile = work % TILES
     split = (work // TILES) % SPLITS
@@ -221,8 +223,8 @@ def _w2_rows_kernel(
     acc_hi = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
     for c in tl.static_range(CHUNKS):
         act = tl.load(act_ptr + row * N + chunk_rows(c * CHUNK_ROWS, t, e), mask=g == 0, other=0.0)
-        act_hi = act.to(out_ptr.dtype.element_ty)
-        act_lo = (act - act_hi.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        act_hi = act.to(tl.bfloat16 if IS_BF16 else tl.float16)
+        act_lo = (act - act_hi.to(tl.float32)).to(tl.bfloat16 if IS_BF16 else tl.float16)
         words, scales, zeros = weights[c]
         d_lo, d_hi = awq_mma_chunk(words, act_hi, act_lo, scales, zeros, IS_BF16, True, WARPS)
         acc_lo += d_lo
@@ -242,6 +244,17 @@ def _w2_rows_kernel(
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _check_device(device: torch.device) -> None:
+    """The tensor-core kernels need MIN_CUDA_CAPABILITY (asked once per device)."""
+    if device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < MIN_CUDA_CAPABILITY:
+            raise RuntimeError(f"grouped_decode: the kernels need compute capability {MIN_CUDA_CAPABILITY[0]}."
+                               f"{MIN_CUDA_CAPABILITY[1]} or newer (tensor-core mma.sync); {device} is "
+                               f"{capability[0]}.{capability[1]}")
 
 
 STAGES = ("w13", "w2", "combine")
@@ -285,6 +298,9 @@ def grouped_decode(
     if G % CHUNK_ROWS.value or N % CHUNK_ROWS.value:
         raise ValueError(f"grouped_decode: group size {G} and intermediate size {N} must be multiples of "
                          f"{CHUNK_ROWS.value} (the tensor-core chunk)")
+    if config.w13_block_k != config.w13_chunks * CHUNK_ROWS.value * config.w13_warps:
+        raise ValueError(f"grouped_decode: {config} is not fitted (GroupedConfig.fitted)")
+    _check_device(hidden_states.device)
     rows = M * top_k
     splits = config.w13_splits(K)
     w2_tiles = triton.cdiv(K, config.w2_block_k)
@@ -304,7 +320,7 @@ def grouped_decode(
             scratch.sorted_rows, scratch.sorted_experts, scratch.active_experts, scratch.segment_offsets,
             scratch.live_count, scratch.combine_arrivals, num_arrivals,
             TOP_K=top_k, K=K, TWO_N=2 * N, G=G,
-            CHUNKS=config.w13_chunks, WARPS=config.w13_warps, R_PAD=max(16, _next_pow2(rows)),
+            CHUNKS=config.w13_chunks, WARPS=config.w13_warps, SPLITS=splits, R_PAD=max(16, _next_pow2(rows)),
             ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
             num_warps=config.w13_warps,
         )
