@@ -21,7 +21,7 @@ import triton.language as tl
 
 import moe_grouped_decode.ops  # noqa: F401  (registers the ops)
 from moe_grouped_decode.awq import synthetic_moe_weights
-from moe_grouped_decode.bench import _random_routing
+from moe_grouped_decode.bench import random_layer_inputs
 from moe_grouped_decode.contract import QWEN38_TP4 as c
 from moe_grouped_decode.kernels import grouped
 from moe_grouped_decode.kernels.configs import GroupedConfig
@@ -72,10 +72,7 @@ def main():
     for M in [int(m) for m in (sys.argv[2] if len(sys.argv) > 2 else '2,4,8').split(',')]:
         if not 1 <= M <= 8:
             raise SystemExit(f"M={M}: the workspace here holds 8 tokens")
-        routings = [_random_routing(M, k, E, gen) for _ in range(LAYERS)]
-        ids = [r[0].cuda() for r in routings]
-        tws = [r[1].cuda() for r in routings]
-        xs = [torch.randn(M, K, generator=gen).half().cuda() for _ in range(LAYERS)]
+        ids, tws, xs = random_layer_inputs(M, k, E, K, LAYERS, torch.float16, "cuda", gen)
         outs = [torch.empty_like(x) for x in xs]
         want = []
         for i in range(LAYERS):

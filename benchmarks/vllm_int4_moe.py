@@ -180,7 +180,7 @@ def main(argv=None) -> int:
         check(kernel, device, interpret)
     if args.check_only:
         return 0
-    from moe_grouped_decode.bench import _random_routing
+    from moe_grouped_decode.bench import random_layer_inputs
     from moe_grouped_decode.ops.cuda import graph_replay_us
 
     E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
@@ -190,10 +190,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     table = []
     for M in [int(m) for m in args.tokens.split(",")]:
-        routings = [_random_routing(M, k, E, gen) for _ in range(args.layers)]
-        ids = [r[0].to(device) for r in routings]
-        tws = [r[1].to(device) for r in routings]
-        xs = [torch.randn(M, K, generator=gen).half().to(device) for _ in range(args.layers)]
+        ids, tws, xs = random_layer_inputs(M, k, E, K, args.layers, torch.float16, device, gen)
 
         def ours(i):
             torch.ops.moe_grouped_decode.awq_moe_dense(xs[i], tws[i], ids[i], *layers[i].op_args())

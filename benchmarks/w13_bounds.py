@@ -19,7 +19,7 @@ import triton.language as tl
 
 import moe_grouped_decode.ops  # noqa: F401  (registers the ops)
 from moe_grouped_decode.awq import synthetic_moe_weights
-from moe_grouped_decode.bench import _random_routing
+from moe_grouped_decode.bench import random_layer_inputs
 from moe_grouped_decode.contract import QWEN38_TP4 as c
 from moe_grouped_decode.kernels import configs, grouped
 from moe_grouped_decode.ops import alloc_workspace, workspace_views
@@ -66,10 +66,7 @@ def main():
     for M in [int(m) for m in (sys.argv[1] if len(sys.argv) > 1 else "2,8").split(",")]:
         if not 1 <= M <= 8:
             raise SystemExit(f"M={M}: the workspace and sink here hold 8 tokens")
-        routings = [_random_routing(M, k, E, gen) for _ in range(LAYERS)]
-        ids = [r[0].cuda() for r in routings]
-        tws = [r[1].cuda() for r in routings]
-        xs = [torch.randn(M, K, generator=gen).half().cuda() for _ in range(LAYERS)]
+        ids, tws, xs = random_layer_inputs(M, k, E, K, LAYERS, torch.float16, "cuda", gen)
         out = torch.empty_like(xs[0])
         views = workspace_views(workspace, M * k, K, N)
         config = configs.grouped_config((E, k, K, N, G), "fp16", M)

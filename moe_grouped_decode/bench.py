@@ -44,6 +44,15 @@ def _random_routing(M: int, top_k: int, E: int, gen: torch.Generator):
     return ids, tw / tw.sum(1, keepdim=True)
 
 
+def random_layer_inputs(M: int, top_k: int, E: int, K: int, count: int, dtype, device, gen: torch.Generator):
+    """``count`` decode steps of random routing and activations: lists of topk_ids, topk
+    weights and x on ``device``, drawn from ``gen`` in one fixed order (every routing, then
+    every x), so each benchmark sees the same inputs from the same seed."""
+    routings = [_random_routing(M, top_k, E, gen) for _ in range(count)]
+    xs = [torch.randn(M, K, generator=gen).to(dtype).to(device) for _ in range(count)]
+    return [r[0].to(device) for r in routings], [r[1].to(device) for r in routings], xs
+
+
 def _vllm_status() -> str:
     try:
         import vllm  # noqa: F401
@@ -74,14 +83,10 @@ def run(args) -> Dict:
     rows: List[Dict] = []
     for M in grouped_tokens + dense_only:
         with_grouped = M in grouped_tokens
-        routings = [_random_routing(M, k, E, gen) for _ in range(args.layers)]
-        ids = [r[0].to(device) for r in routings]
-        tws = [r[1].to(device) for r in routings]
-        xs = [torch.randn(M, K, generator=gen).to(dtype).to(device) for _ in range(args.layers)]
-        actives = [torch.unique(r[0]).to(torch.int32) for r in routings]
-        mean_active = sum(a.numel() for a in actives) / len(actives)
-        active_lists = [a.to(device) for a in actives]
-        live_counts = [torch.tensor([a.numel()], dtype=torch.int32, device=device) for a in actives]
+        ids, tws, xs = random_layer_inputs(M, k, E, K, args.layers, dtype, device, gen)
+        active_lists = [torch.unique(i).to(torch.int32) for i in ids]
+        mean_active = sum(a.numel() for a in active_lists) / len(active_lists)
+        live_counts = [torch.tensor([a.numel()], dtype=torch.int32, device=device) for a in active_lists]
         max_active = min(M * k, E)
         sink = torch.empty(max_active * floor_blocks(layers[0].tensors()), dtype=torch.int32, device=device)
         row = {"M": M, "active_experts": mean_active, "active_MB": mean_active * per_expert / 1e6}
@@ -153,10 +158,8 @@ def _sweep(args, layers, workspace, gen) -> List[Dict]:
     device = torch.device("cuda")
     results = []
     for M in [int(m) for m in args.sweep.split(",")]:
-        routings = [_random_routing(M, c.top_k, c.num_experts, gen) for _ in range(args.layers)]
-        ids = [r[0].to(device) for r in routings]
-        tws = [r[1].to(device) for r in routings]
-        xs = [torch.randn(M, c.hidden_size, generator=gen).to(layers[0].dtype).to(device) for _ in range(args.layers)]
+        ids, tws, xs = random_layer_inputs(M, c.top_k, c.num_experts, c.hidden_size, args.layers, layers[0].dtype,
+                                           device, gen)
         out = torch.empty_like(xs[0])
         dense_out = torch.ops.moe_grouped_decode.awq_moe_dense(xs[0], tws[0], ids[0], *layers[0].op_args()).float()
         timed = []
@@ -196,10 +199,8 @@ def _breakdown(args, layers, workspace, gen) -> List[Dict]:
     results = []
     for M in [int(m) for m in args.breakdown.split(",")]:
         config = configs.grouped_config(shape, args.dtype, M)
-        routings = [_random_routing(M, c.top_k, c.num_experts, gen) for _ in range(args.layers)]
-        ids = [r[0].to(device) for r in routings]
-        tws = [r[1].to(device) for r in routings]
-        xs = [torch.randn(M, c.hidden_size, generator=gen).to(layers[0].dtype).to(device) for _ in range(args.layers)]
+        ids, tws, xs = random_layer_inputs(M, c.top_k, c.num_experts, c.hidden_size, args.layers, layers[0].dtype,
+                                           device, gen)
         out = torch.empty_like(xs[0])
         views = workspace_views(workspace, M * c.top_k, c.hidden_size, c.intermediate_size)
         row = {"M": M, "config": dataclasses.asdict(config)}
