@@ -32,7 +32,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def compile_kernel(fn, constexprs, pointer_types, num_warps, ints=None):
+def compile_kernel(fn, constexprs, pointer_types, num_warps, ints=None, options=None):
     """Compile ``fn`` for sm_90 as a launch would specialize it: every pointer 16-byte aligned
     (torch allocations and the workspace regions are) and every integer argument given in
     ``ints`` marked divisible by 16 where it is (Triton's JIT does both at launch time)."""
@@ -49,7 +49,7 @@ def compile_kernel(fn, constexprs, pointer_types, num_warps, ints=None):
             if ints.get(name, 1) % 16 == 0:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, **(options or {})})
 
 
 def cuobjdump(kernel, flag) -> str:
@@ -132,7 +132,7 @@ def main(argv=None):
         w2 = compile_kernel(grouped._w2_rows_kernel, dict(
             K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, N_PAD=grouped._next_pow2(N),
             TOP_K=k, IS_BF16=dtype == "bf16", FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl), pointers,
-            config.w2_warps, dict(rows=rows, stride_om=K))
+            config.w2_warps, dict(rows=rows, stride_om=K), config.w2_compile_options(divmod(args.arch, 10)))
         stats(f"M={M} {dtype} w2", w2, N * config.w2_block_k, args.dump)
         check_fragment_layouts(f"M={M} {dtype} w2", w2, config.w2_warps)
     return 0

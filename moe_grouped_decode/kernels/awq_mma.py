@@ -19,10 +19,10 @@ columns (8 packed int32 columns, ``c_0 .. c_7``)::
 
     PRMT(words[4b], words[4b + 1]) puts one column's nibbles of rows (r, r + 1) at
     bits 0-3 and 16-19 (or 4-7 and 20-23): LOP3 with the fp16 magic 1024 (64 for the
-    upper nibble; bf16 shifts instead: 128) gives the pair (magic + q) of the A
-    fragment. mma j takes columns 2j (A row g) and 2j + 1 (A row g + 8); a second
-    mma with A = -(magic + z) pairs (built from the zero word the same way) takes
-    the zero point out in the same float32 accumulator, so per column and token
+    upper nibble; bf16 shifts instead: 128) gives the pair (magic + q), and one
+    16-bit pair add of -(magic + z) (built from the zero word the same way) the
+    exact pair q - z of the A fragment. mma j takes columns 2j (A row g) and 2j + 1
+    (A row g + 8), so per column and token
 
       D[col, tok] = scale[col] * sum_rows (q - z) * x[tok]
 
@@ -30,10 +30,11 @@ columns (8 packed int32 columns, ``c_0 .. c_7``)::
     output element 4j + c (c = 0..3) is column 2j + c // 2, token 2t + c % 2, in
     ``d_lo`` for j = 0, 1 and ``d_hi`` for j = 2, 3.
 
-The mma sums (magic + q) x and -(magic + z) x in float32; the products are exact
-(11-bit by 11-bit), and the cancellation leaves an absolute error of about
-2**-24 * magic * sum |x| per chunk: near 1e-4 of a typical output, below the fp16
-output's rounding at the outputs' scale, many ULPs of an output that is near zero. ``SPLIT_X`` passes float32
+The A operand holds the integers q - z exactly, so the mma's products are exact and
+only its float32 accumulation rounds, as in a float32 dequantize-then-multiply.
+(An earlier version took the zero out with a second mma of -(magic + z): half
+the adds, twice the mmas, and a float32 cancellation of magic * sum x that cost
+many ULPs on outputs near zero.) ``SPLIT_X`` passes float32
 activations as a hi + lo pair of 16-bit halves (two mmas each), for W2, whose input
 (silu(gate) * up) is float32. Under ``TRITON_INTERPRET=1`` (no PTX) ``awq_mma_chunk``
 computes the same lane layout with plain tensor ops, so CPU CI checks every index.
@@ -71,6 +72,8 @@ def _chunk_asm(bf16: bool, split_x: bool) -> str:
         extract = [(0, _LO, "0x64006400"), (0, _HI, "0x54005400"), (8, _LO, "0x64006400"), (8, _HI, "0x54005400")]
         neg = ["0xE400E400", "0xD400D400", "0xE400E400", "0xD400D400"]
     lines = ["{", ".reg .b32 zp<2>, z<8>, s<8>;", ".reg .f32 d<16>;", ".reg .b16 h<8>;"]
+    if bf16:  # add.bf16x2 needs sm_90: a * 1 + z instead
+        lines += [".reg .b32 one;", "mov.b32 one, 0x3F803F80;"]
 
     def shifted(src, prefix):
         """{shift: register holding src >> shift} for the shifts ``extract`` uses."""
@@ -108,11 +111,14 @@ def _chunk_asm(bf16: bool, split_x: bool) -> str:
             lines.append("{ .reg .b32 a<4>;")
             for reg, (p, half) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
                 lines.append(f"lop3.b32 a{reg}, {srcs[p, half][extract[n][0]]}, {mask}, {magic}, 0xEA;")
+                # (magic + q) + -(magic + z) = q - z: exact in 16 bits (|q - z| <= 15)
+                if bf16:
+                    lines.append(f"fma.rn.bf16x2 a{reg}, a{reg}, one, z{2 * n + half};")
+                else:
+                    lines.append(f"add.f16x2 a{reg}, a{reg}, z{2 * n + half};")
             d = f"{{d{4 * n}, d{4 * n + 1}, d{4 * n + 2}, d{4 * n + 3}}}"
-            za, zb = f"z{2 * n}", f"z{2 * n + 1}"
             for b in b_sets:
                 lines.append(f"{mma} {d}, {{a0, a1, a2, a3}}, {b}, {d};")
-                lines.append(f"{mma} {d}, {{{za}, {zb}, {za}, {zb}}}, {b}, {d};")
             lines.append("}")
     for n in range(4):
         if bf16:  # a bf16 is the upper half of its float32 (cvt.f32.bf16 would need sm_90)

@@ -30,6 +30,7 @@ class GroupedConfig:
     w2_warps: int = 4  # W2: warps per program, 64 output columns each
     fused_combine: bool = True  # the combine inside the W2 launch (last-arriving program per token tile)
     pdl: bool = True  # programmatic dependent launch between the op's launches (used on Hopper and newer)
+    w2_max_registers: int = 0  # W2: registers per thread the compiler may use (0: its own choice; Hopper+)
 
     @property
     def w13_chunks(self) -> int:
@@ -40,6 +41,12 @@ class GroupedConfig:
     def w2_block_k(self) -> int:
         """W2 output columns per program."""
         return 64 * self.w2_warps
+
+    def w2_compile_options(self, capability: Tuple[int, int]) -> dict:
+        """Extra compile options of the W2 launch on a GPU of compute ``capability``: the register
+        cap (128 fits four 4-warp programs per SM), on Hopper and newer only, where it was
+        measured and compiles without spills (sm_80's schedule, without PDL, spills at 128)."""
+        return {"maxnreg": self.w2_max_registers} if self.w2_max_registers and capability >= (9, 0) else {}
 
     def w13_splits(self, hidden_size: int) -> int:
         """W13 programs per (row, column tile) along K: the partial sums the W2 kernel adds in order."""
@@ -78,12 +85,13 @@ MAX_SPLIT_K = 32
 # (E, k, K, N, G) of the qwen3.8-tp4 contract.
 QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 
-# Sweep winners on H200, fp16 (docs/PERF.md v7; docs/bench/explorations.md runs 6 and 7), keyed by M:
-# more tokens want fewer W13 splits (every W2 program sums its row's splits again).
+# Sweep winners on H200, fp16 (docs/PERF.md v8; docs/bench/explorations.md runs 6-9), keyed by M:
+# more tokens want fewer W13 splits (every W2 program sums its row's splits again), and from
+# M = 4 on the W2 register cap (four 4-warp programs per SM instead of three) pays.
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
     2: GroupedConfig(w13_block_k=128, w2_warps=8),
-    4: GroupedConfig(w13_block_k=256, w2_warps=4),
-    8: GroupedConfig(w13_block_k=512, w2_warps=4),
+    4: GroupedConfig(w13_block_k=192, w2_warps=4, w2_max_registers=128),
+    8: GroupedConfig(w13_block_k=384, w2_warps=4, w2_max_registers=128),
 }
 
 
@@ -165,9 +173,10 @@ def dense_config(shape: Tuple[int, int, int, int, int], num_tokens: int) -> Dens
 def grouped_candidates() -> Tuple[GroupedConfig, ...]:
     """The small search space of the opt-in autotune (and of `bench --sweep`)."""
     return tuple(
-        GroupedConfig(w13_block_k=w13_block_k, w2_warps=w2_warps)
-        for w13_block_k in (128, 256, 512)
-        for w2_warps in (2, 4, 8)
+        GroupedConfig(w13_block_k=w13_block_k, w2_warps=w2_warps, w2_max_registers=w2_max_registers)
+        for w13_block_k in (128, 192, 256, 384, 512)
+        for w2_warps in (4, 8)
+        for w2_max_registers in (0, 128)
     )
 
 

@@ -247,14 +247,21 @@ def _next_pow2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _check_device(device: torch.device) -> None:
-    """The tensor-core kernels need MIN_CUDA_CAPABILITY (asked once per device)."""
-    if device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < MIN_CUDA_CAPABILITY:
-            raise RuntimeError(f"grouped_decode: the kernels need compute capability {MIN_CUDA_CAPABILITY[0]}."
-                               f"{MIN_CUDA_CAPABILITY[1]} or newer (tensor-core mma.sync); {device} is "
-                               f"{capability[0]}.{capability[1]}")
+def _device_capability(device: torch.device) -> Tuple[int, int]:
+    """Compute capability of a CUDA device, asked once per device; (0, 0) under the interpreter."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)
+
+
+def _check_device(device: torch.device) -> Tuple[int, int]:
+    """The tensor-core kernels need MIN_CUDA_CAPABILITY; returns the device's capability."""
+    capability = _device_capability(device)
+    if capability != (0, 0) and capability < MIN_CUDA_CAPABILITY:
+        raise RuntimeError(f"grouped_decode: the kernels need compute capability {MIN_CUDA_CAPABILITY[0]}."
+                           f"{MIN_CUDA_CAPABILITY[1]} or newer (tensor-core mma.sync); {device} is "
+                           f"{capability[0]}.{capability[1]}")
+    return capability
 
 
 STAGES = ("w13", "w2", "combine")
@@ -300,7 +307,7 @@ def grouped_decode(
                          f"{CHUNK_ROWS.value} (the tensor-core chunk)")
     if config.w13_block_k != config.w13_chunks * CHUNK_ROWS.value * config.w13_warps:
         raise ValueError(f"grouped_decode: {config} is not fitted (GroupedConfig.fitted)")
-    _check_device(hidden_states.device)
+    capability = _check_device(hidden_states.device)
     rows = M * top_k
     splits = config.w13_splits(K)
     w2_tiles = triton.cdiv(K, config.w2_block_k)
@@ -334,7 +341,7 @@ def grouped_decode(
             topk_weights, out, out.stride(0), scratch.combine_arrivals,
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=_next_pow2(N), TOP_K=top_k,
             IS_BF16=is_bf16, FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
-            num_warps=config.w2_warps, **launch_options(use_pdl),
+            num_warps=config.w2_warps, **launch_options(use_pdl), **config.w2_compile_options(capability),
         )
     if not config.fused_combine and "combine" in stages:
         combine_rows(scratch.row_outputs, topk_weights, out, use_pdl)

@@ -1,0 +1,68 @@
+"""Launch configs (kernels/configs.py): the qwen3.8-tp4 table, the autotune cache, and which
+compile options a config turns into on which GPU. CPU only: no kernel runs here."""
+
+import dataclasses
+import json
+
+import pytest
+
+from moe_grouped_decode.kernels import configs
+from moe_grouped_decode.kernels.configs import MAX_SPLIT_K, QWEN38_TP4_SHAPE, GroupedConfig
+
+K = QWEN38_TP4_SHAPE[2]
+
+
+@pytest.mark.parametrize("tokens", [2, 4, 8])  # every table entry (the admitted decode window's anchors)
+def test_table_configs_are_launchable(tokens):
+    config = configs.grouped_config(QWEN38_TP4_SHAPE, "fp16", tokens)
+    assert config == config.fitted(K)  # grouped_decode refuses unfitted configs
+    assert config.w13_block_k % (32 * config.w13_warps) == 0
+    assert 1 <= config.w13_splits(K) <= MAX_SPLIT_K  # the workspace's partials region holds them
+
+
+def test_unlisted_shape_gets_the_fitted_default():
+    shape = (64, 4, 1024, 96, 32)
+    assert configs.grouped_config(shape, "fp16", 3) == GroupedConfig().fitted(shape[2])
+
+
+@pytest.mark.parametrize("capability, expected", [
+    ((9, 0), {"maxnreg": 128}),  # Hopper: measured there, compiles without spills
+    ((10, 0), {"maxnreg": 128}),  # newer
+    ((8, 0), {}),  # Ampere: sm_80's schedule spills at 128 (tests/test_sass_stats.py compiles both)
+    ((0, 0), {}),  # the interpreter
+])
+def test_w2_register_cap_applies_from_hopper_on(capability, expected):
+    assert GroupedConfig(w2_max_registers=128).w2_compile_options(capability) == expected
+    assert GroupedConfig().w2_compile_options(capability) == {}  # no cap asked, none given
+
+
+def test_tuned_cache_round_trip_and_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_GROUPED_DECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(configs, "_tuned", {})
+    monkeypatch.setattr(configs, "_loaded_files", set())
+    path = configs.cache_path("NVIDIA H200 (test)", "3.6.0")
+    assert path.parent == tmp_path and " " not in path.name
+    tuned = GroupedConfig(w13_block_k=256, w2_warps=8, w2_max_registers=128)
+    key = configs.shape_key(QWEN38_TP4_SHAPE, "fp16", 4)
+    configs.store_tuned(path, key, tuned)
+    # a tuned entry wins over the table
+    assert configs.grouped_config(QWEN38_TP4_SHAPE, "fp16", 4) == tuned.fitted(K)
+    assert configs.grouped_config(QWEN38_TP4_SHAPE, "bf16", 4) == configs._QWEN38_TP4_GROUPED[4].fitted(K)
+    # a fresh process reads it back; entries of another version of GroupedConfig are skipped
+    entries = json.loads(path.read_text())
+    entries["E1_k1_K32_N32_G32_fp16_M1"] = dict(dataclasses.asdict(tuned), field_of_the_future=1)
+    path.write_text(json.dumps(entries))
+    monkeypatch.setattr(configs, "_tuned", {})
+    monkeypatch.setattr(configs, "_loaded_files", set())
+    configs.load_tuned(path)
+    assert configs.tuned_config(QWEN38_TP4_SHAPE, "fp16", 4) == tuned
+    assert configs.tuned_config((1, 1, 32, 32, 32), "fp16", 1) is None
+
+
+def test_corrupt_cache_file_is_ignored(tmp_path, monkeypatch):
+    monkeypatch.setattr(configs, "_tuned", {})
+    monkeypatch.setattr(configs, "_loaded_files", set())
+    path = tmp_path / "grouped_x.json"
+    path.write_text("{not json")
+    configs.load_tuned(path)
+    assert configs._tuned == {}
