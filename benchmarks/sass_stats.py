@@ -33,7 +33,7 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 
 
 def compile_kernel(fn, constexprs, pointer_types, num_warps, ints=None, options=None):
-    """Compile ``fn`` for sm_90 as a launch would specialize it: every pointer 16-byte aligned
+    """Compile ``fn`` for TARGET (sm_90, or ``--arch``) as a launch would specialize it: every pointer 16-byte aligned
     (torch allocations and the workspace regions are) and every integer argument given in
     ``ints`` marked divisible by 16 where it is (Triton's JIT does both at launch time)."""
     ints = ints or {}

@@ -163,7 +163,7 @@ def _sweep(args, layers, workspace, gen) -> List[Dict]:
         out = torch.empty_like(xs[0])
         dense_out = torch.ops.moe_grouped_decode.awq_moe_dense(xs[0], tws[0], ids[0], *layers[0].op_args()).float()
         timed = []
-        for candidate in configs.grouped_candidates():
+        for candidate in configs.grouped_candidates(torch.cuda.get_device_capability(device)):
             config = candidate.fitted(c.hidden_size)
             out.fill_(float("nan"))
             launch_grouped(xs[0], tws[0], ids[0], *layers[0].op_args(), workspace, out, config)

@@ -12,12 +12,14 @@ from moe_grouped_decode.kernels.configs import MAX_SPLIT_K, QWEN38_TP4_SHAPE, Gr
 K = QWEN38_TP4_SHAPE[2]
 
 
-@pytest.mark.parametrize("tokens", [2, 4, 8])  # every table entry (the admitted decode window's anchors)
-def test_table_configs_are_launchable(tokens):
-    config = configs.grouped_config(QWEN38_TP4_SHAPE, "fp16", tokens)
-    assert config == config.fitted(K)  # grouped_decode refuses unfitted configs
-    assert config.w13_block_k % (32 * config.w13_warps) == 0
-    assert 1 <= config.w13_splits(K) <= MAX_SPLIT_K  # the workspace's partials region holds them
+@pytest.mark.parametrize("tokens", sorted(configs._QWEN38_TP4_GROUPED))  # every table entry
+def test_table_entries_are_used_as_written(tokens):
+    entry = configs._QWEN38_TP4_GROUPED[tokens]
+    # grouped_config fits what it returns; an entry that needed fitting would run with other
+    # splits than the ones measured
+    assert entry == entry.fitted(K)
+    assert configs.grouped_config(QWEN38_TP4_SHAPE, "fp16", tokens) == entry
+    assert 1 <= entry.w13_splits(K) <= MAX_SPLIT_K  # the workspace's partials region holds them
 
 
 def test_unlisted_shape_gets_the_fitted_default():
@@ -36,12 +38,20 @@ def test_w2_register_cap_applies_from_hopper_on(capability, expected):
     assert GroupedConfig().w2_compile_options(capability) == {}  # no cap asked, none given
 
 
+def test_candidates_hold_the_register_cap_only_where_it_applies():
+    hopper, ampere = configs.grouped_candidates((9, 0)), configs.grouped_candidates((8, 0))
+    assert len(set(hopper)) == len(hopper) == 2 * len(ampere)
+    assert {c.w2_max_registers for c in ampere} == {0}  # the cap is a no-op there: no duplicate timings
+    assert set(ampere) < set(hopper)
+
+
 def test_tuned_cache_round_trip_and_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_GROUPED_DECODE_CACHE", str(tmp_path))
     monkeypatch.setattr(configs, "_tuned", {})
     monkeypatch.setattr(configs, "_loaded_files", set())
     path = configs.cache_path("NVIDIA H200 (test)", "3.6.0")
     assert path.parent == tmp_path and " " not in path.name
+    assert configs.KERNELS_VERSION in path.name  # configs tuned for other kernels are not read back
     tuned = GroupedConfig(w13_block_k=256, w2_warps=8, w2_max_registers=128)
     key = configs.shape_key(QWEN38_TP4_SHAPE, "fp16", 4)
     configs.store_tuned(path, key, tuned)

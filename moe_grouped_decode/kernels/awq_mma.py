@@ -2,8 +2,8 @@
 
 The grouped kernels multiply a few tokens by one expert's packed weights. On CUDA
 cores that costs about four instructions per weight (unpack, convert, subtract the
-zero, FMA); here one LOP3 turns two nibbles into one fp16 (or bf16) pair of an mma
-A fragment, and one mma covers 256 weights (16 x 16, times 8 token columns) with
+zero, FMA); here one LOP3 and one 16-bit pair add turn two nibbles into one exact
+fp16 (or bf16) pair q - z of an mma A fragment, and one mma covers 256 weights (16 x 16, times 8 token columns) with
 float32 accumulation.
 
 One warp, one 32-row chunk of the reduction (inside one AWQ group), 64 output
@@ -31,10 +31,10 @@ columns (8 packed int32 columns, ``c_0 .. c_7``)::
     ``d_lo`` for j = 0, 1 and ``d_hi`` for j = 2, 3.
 
 The A operand holds the integers q - z exactly, so the mma's products are exact and
-only its float32 accumulation rounds, as in a float32 dequantize-then-multiply.
-(An earlier version took the zero out with a second mma of -(magic + z): half
-the adds, twice the mmas, and a float32 cancellation of magic * sum x that cost
-many ULPs on outputs near zero.) ``SPLIT_X`` passes float32
+only its float32 accumulation and the float32 scale multiply round, as in a float32
+dequantize-then-multiply. (An earlier version took the zero out with a second mma
+of -(magic + z): no pair adds, twice the mmas, and a float32 cancellation of
+magic * sum x that cost many ULPs on outputs near zero.) ``SPLIT_X`` passes float32
 activations as a hi + lo pair of 16-bit halves (two mmas each), for W2, whose input
 (silu(gate) * up) is float32. Under ``TRITON_INTERPRET=1`` (no PTX) ``awq_mma_chunk``
 computes the same lane layout with plain tensor ops, so CPU CI checks every index.

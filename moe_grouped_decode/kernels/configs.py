@@ -7,7 +7,7 @@ position-independence of a token's bits holds within it.
 
 Tuned configs (``VLLM_AWQ_MOE_GROUPED_DECODE_TUNE=1``, searched at warmup by
 ``ops.cuda.warmup``) are cached as JSON under ``~/.cache/moe_grouped_decode``
-(or ``$MOE_GROUPED_DECODE_CACHE``), one file per GPU name and Triton version,
+(or ``$MOE_GROUPED_DECODE_CACHE``), one file per kernel version, GPU name and Triton version,
 keyed by shape and token count.
 """
 
@@ -85,9 +85,10 @@ MAX_SPLIT_K = 32
 # (E, k, K, N, G) of the qwen3.8-tp4 contract.
 QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 
-# Sweep winners on H200, fp16 (docs/PERF.md v8; docs/bench/explorations.md runs 6-9), keyed by M:
-# more tokens want fewer W13 splits (every W2 program sums its row's splits again), and from
-# M = 4 on the W2 register cap (four 4-warp programs per SM instead of three) pays.
+# Sweep winners on H200, fp16 (docs/PERF.md v8; docs/bench/explorations.md runs 11-12), keyed by M:
+# more tokens want fewer W13 splits (every W2 program sums its row's splits again); the W2
+# register cap (four 4-warp programs per SM instead of three) pays ~1.2 us at M = 4 and is
+# within noise at M = 8.
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
     2: GroupedConfig(w13_block_k=128, w2_warps=8),
     4: GroupedConfig(w13_block_k=192, w2_warps=4, w2_max_registers=128),
@@ -103,8 +104,13 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
 
 
+# Part of the cache file name: a kernel change that moves the timings bumps it, so configs
+# tuned for older kernels are not read back.
+KERNELS_VERSION = "v8"
+
+
 def cache_path(gpu_name: str, triton_version: str) -> Path:
-    return _cache_dir() / f"grouped_{_safe(gpu_name)}_triton{_safe(triton_version)}.json"
+    return _cache_dir() / f"grouped_{KERNELS_VERSION}_{_safe(gpu_name)}_triton{_safe(triton_version)}.json"
 
 
 def shape_key(shape: Tuple[int, int, int, int, int], dtype_name: str, num_tokens: int) -> str:
@@ -170,13 +176,15 @@ def dense_config(shape: Tuple[int, int, int, int, int], num_tokens: int) -> Dens
     return config.fitted(shape[4])
 
 
-def grouped_candidates() -> Tuple[GroupedConfig, ...]:
-    """The small search space of the opt-in autotune (and of `bench --sweep`)."""
+def grouped_candidates(capability: Tuple[int, int]) -> Tuple[GroupedConfig, ...]:
+    """The small search space of the opt-in autotune (and of `bench --sweep`) on a GPU of
+    compute ``capability`` (the register cap only where it applies: w2_compile_options)."""
+    caps = (0, 128) if GroupedConfig(w2_max_registers=128).w2_compile_options(capability) else (0,)
     return tuple(
         GroupedConfig(w13_block_k=w13_block_k, w2_warps=w2_warps, w2_max_registers=w2_max_registers)
         for w13_block_k in (128, 192, 256, 384, 512)
         for w2_warps in (4, 8)
-        for w2_max_registers in (0, 128)
+        for w2_max_registers in caps
     )
 
 
