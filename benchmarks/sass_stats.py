@@ -6,7 +6,8 @@ No GPU needed: the counts explain the measured times (docs/PERF.md) without devi
 Exits non-zero if an inline mma's operands are not laid out one row per lane
 (check_fragment_layouts). Prints, per kernel at the qwen3.8-tp4 shape, dtype, launch config and token count M, specialized
 as a launch specializes it (pointer and integer alignment): registers, stack (spills),
-instructions by class and lane-instructions per weight. The tile programs are loop-free,
+instructions by class and lane-instructions per weight, and for the launched kernels how many
+programs share an SM (registers, warps, shared memory) and how many waves the grid takes. The tile programs are loop-free,
 so a static count is what one program issues, except that the W13 kernel also holds
 program 0's sort (the "w13-tile-path" line compiles it with that part cut to nothing)
 and the W2 count includes the fused combine, which one program per token and tile runs.
@@ -77,7 +78,24 @@ def check_fragment_layouts(name, kernel, num_warps):
                                  f"lane ({want})")
 
 
-def stats(name, kernel, weights_per_program, dump=None):
+# Per-SM limits of sm_80 / sm_90: registers, resident warps, resident programs (CTAs), shared
+# memory; and the SM count of the H200 the measurements come from.
+SM_REGISTERS, SM_WARPS, SM_PROGRAMS = 65536, 64, 32
+SM_SHARED = {80: 164 * 1024, 90: 228 * 1024}
+H200_SMS = 132
+
+
+def programs_per_sm(registers, num_warps, shared_bytes, arch):
+    """Programs of one kernel resident per SM: registers are allocated per warp in units of
+    256 (8 per thread), so 80 and 73 registers cost the same."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_shared = SM_SHARED.get(arch, SM_SHARED[80]) // shared_bytes if shared_bytes else SM_PROGRAMS
+    return min(SM_PROGRAMS, SM_REGISTERS // (per_warp * num_warps), SM_WARPS // num_warps, by_shared)
+
+
+def stats(name, kernel, weights_per_program, dump=None, grid=None):
+    """Print one kernel's counts; with ``grid`` (programs launched), also how many programs share
+    an SM and, for sm_90, how many waves the grid takes on an H200."""
     text = cuobjdump(kernel, "-sass")
     usage = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(kernel, "-res-usage"))
     if dump:
@@ -90,8 +108,14 @@ def stats(name, kernel, weights_per_program, dump=None):
     total = sum(v for k, v in ops.items() if k not in ("NOP",))
     md = kernel.metadata
     top = ", ".join(f"{k} {v}" for k, v in ops.most_common(10))
+    occupancy = ""
+    if grid:
+        per_sm = programs_per_sm(int(usage.group(1)), md.num_warps, md.shared, TARGET.arch)
+        occupancy = f" programs/SM={per_sm} grid={grid}"
+        if TARGET.arch == 90:
+            occupancy += f" waves(H200)={-(-grid // (per_sm * H200_SMS))}"
     print(f"{name}: regs={usage.group(1)} stack={usage.group(2)} instructions={total} "
-          f"per weight={total * 32 * md.num_warps / weights_per_program:.2f}  [{top}]", flush=True)
+          f"per weight={total * 32 * md.num_warps / weights_per_program:.2f}{occupancy}  [{top}]", flush=True)
 
 
 PTR16 = {"x_ptr": "*fp16", "ids_ptr": "*i32", "qweight_ptr": "*i32", "scales_ptr": "*fp16", "qzeros_ptr": "*i32",
@@ -123,7 +147,8 @@ def main(argv=None):
         w13 = compile_kernel(grouped._w13_kernel, dict(
             w13_consts, R_PAD=max(16, grouped._next_pow2(rows)),
             ARRIVALS_PAD=grouped._next_pow2(arrivals) if arrivals else 0), pointers, config.w13_warps, w13_ints)
-        stats(f"M={M} {dtype} w13", w13, w13_weights, args.dump)
+        w13_grid = 1 + rows * config.w13_splits(K) * (2 * N // 8 // grouped.TILE_WORDS.value)
+        stats(f"M={M} {dtype} w13", w13, w13_weights, args.dump, w13_grid)
         check_fragment_layouts(f"M={M} {dtype} w13", w13, config.w13_warps)
         # program 0's sort and counter zeroing cut down to nothing: the tile programs' own count
         w13_tile = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=16, ARRIVALS_PAD=0), pointers,
@@ -133,7 +158,7 @@ def main(argv=None):
             K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, N_PAD=grouped._next_pow2(N),
             TOP_K=k, IS_BF16=dtype == "bf16", FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl), pointers,
             config.w2_warps, dict(rows=rows, stride_om=K), config.w2_compile_options(divmod(args.arch, 10)))
-        stats(f"M={M} {dtype} w2", w2, N * config.w2_block_k, args.dump)
+        stats(f"M={M} {dtype} w2", w2, N * config.w2_block_k, args.dump, rows * w2_tiles)
         check_fragment_layouts(f"M={M} {dtype} w2", w2, config.w2_warps)
     return 0
 

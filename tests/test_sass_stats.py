@@ -35,3 +35,26 @@ def test_grouped_kernels_compile_without_spills(arch):
         registers = int(re.search(r"regs=(\d+)", line).group(1))
         stack = int(re.search(r"stack=(\d+)", line).group(1))
         assert 0 < registers <= 255 and stack == 0, line
+
+
+def _sass_stats_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sass_stats", ROOT / "benchmarks" / "sass_stats.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("registers, warps, shared, programs", [
+    (166, 4, 0, 3),  # v7's W2: three 4-warp programs per SM (the register cap's reason)
+    (128, 4, 0, 4),  # v8's capped W2
+    (90, 1, 0, 21),  # v7's W13: 90 registers are allocated as 96
+    (72, 1, 0, 28),  # v8's W13 at M = 8
+    (75, 2, 0, 12),  # a 2-warp W13 program (docs/PERF.md's waves model)
+    (32, 1, 0, 32),  # bounded by the 32 resident programs per SM
+    (32, 16, 0, 4),  # bounded by the 64 resident warps per SM
+    (32, 1, 100 * 1024, 2),  # bounded by shared memory (228 KB on sm_90)
+])
+def test_programs_per_sm(registers, warps, shared, programs):
+    assert _sass_stats_module().programs_per_sm(registers, warps, shared, 90) == programs
