@@ -36,8 +36,6 @@ are bit-identical across runs and batch positions.
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Tuple
 
 import torch
@@ -45,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .awq_mma import CHUNK_ROWS, TILE_WORDS, awq_mma_chunk, chunk_columns, chunk_lanes, chunk_rows
-from . import MIN_CUDA_CAPABILITY
+from . import MIN_CUDA_CAPABILITY, cuda_capability
 from .awq_tiles import silu_mul
 from .combine import combine_rows, combine_tile
 from .configs import GroupedConfig
@@ -200,6 +198,7 @@ def _w2_rows_kernel(
     tile = tl.program_id(1)
     PACKED_K: tl.constexpr = K // 8
     CHUNKS: tl.constexpr = N // CHUNK_ROWS
+    HALF: tl.constexpr = tl.bfloat16 if IS_BF16 else tl.float16
     expert = tl.load(ids_ptr + row).to(tl.int64)
     warp, g, t, e = chunk_lanes(WARPS)
     word = (tile * WARPS + warp) * TILE_WORDS + g
@@ -223,8 +222,8 @@ def _w2_rows_kernel(
     acc_hi = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
     for c in tl.static_range(CHUNKS):
         act = tl.load(act_ptr + row * N + chunk_rows(c * CHUNK_ROWS, t, e), mask=g == 0, other=0.0)
-        act_hi = act.to(tl.bfloat16 if IS_BF16 else tl.float16)
-        act_lo = (act - act_hi.to(tl.float32)).to(tl.bfloat16 if IS_BF16 else tl.float16)
+        act_hi = act.to(HALF)
+        act_lo = (act - act_hi.to(tl.float32)).to(HALF)
         words, scales, zeros = weights[c]
         d_lo, d_hi = awq_mma_chunk(words, act_hi, act_lo, scales, zeros, IS_BF16, True, WARPS)
         acc_lo += d_lo
@@ -246,17 +245,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
-def _device_capability(device: torch.device) -> Tuple[int, int]:
-    """Compute capability of a CUDA device, asked once per device; (0, 0) under the interpreter."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return (0, 0)
-    return torch.cuda.get_device_capability(device)
-
-
 def _check_device(device: torch.device) -> Tuple[int, int]:
     """The tensor-core kernels need MIN_CUDA_CAPABILITY; returns the device's capability."""
-    capability = _device_capability(device)
+    capability = cuda_capability(device)
     if capability != (0, 0) and capability < MIN_CUDA_CAPABILITY:
         raise RuntimeError(f"grouped_decode: the kernels need compute capability {MIN_CUDA_CAPABILITY[0]}."
                            f"{MIN_CUDA_CAPABILITY[1]} or newer (tensor-core mma.sync); {device} is "

@@ -8,12 +8,11 @@ launch writes. Both are no-ops with ``USE_PDL`` false (older GPUs, the interpret
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from . import cuda_capability
 
 
 @triton.jit
@@ -29,13 +28,9 @@ def wait_for_previous_launch(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-@functools.lru_cache(maxsize=None)
 def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch needs Hopper or newer and compiled kernels (asked once
-    per device: the answer is fixed for the process, and every grouped call asks)."""
-    return (device.type == "cuda" and torch.version.hip is None  # ROCm reports major 9 for MI300
-            and os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    """Programmatic dependent launch needs Hopper or newer and compiled kernels."""
+    return torch.version.hip is None and cuda_capability(device)[0] >= 9  # ROCm reports major 9 for MI300
 
 
 def launch_options(use_pdl: bool) -> dict:
