@@ -127,7 +127,6 @@ def run(args) -> Dict:
         row["dense_over_floor1"] = row["dense_us"] / row["floor1_us"]
         row["vllm_us"] = None
         rows.append(row)
-        del xs, ids, tws
     sweep = _sweep(args, layers, workspace, gen) if args.sweep else []
     breakdown = _breakdown(args, layers, workspace, gen) if args.breakdown else []
     return {
