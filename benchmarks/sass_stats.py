@@ -99,6 +99,7 @@ def stats(name, kernel, weights_per_program, dump=None, grid=None):
     text = cuobjdump(kernel, "-sass")
     usage = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(kernel, "-res-usage"))
     if dump:
+        Path(dump).mkdir(parents=True, exist_ok=True)
         Path(dump, f"{name}.sass").write_text(text)
     ops = collections.Counter()
     for line in text.splitlines():
