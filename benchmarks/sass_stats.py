@@ -8,9 +8,10 @@ Exits non-zero if an inline mma's operands are not laid out one row per lane
 as a launch specializes it (pointer and integer alignment): registers, stack (spills),
 instructions by class and lane-instructions per weight, and for the launched kernels how many
 programs share an SM (registers, warps, shared memory) and how many waves the grid takes. The tile programs are loop-free,
-so a static count is what one program issues, except that the W13 kernel also holds
-program 0's sort (the "w13-tile-path" line compiles it with that part cut to nothing)
-and the W2 count includes the fused combine, which one program per token and tile runs.
+so a static count is what one program issues, except that the tl W13 kernel also holds
+program 0's sort (the "w13-tl-tile-path" line compiles it at the same split with that part cut
+to nothing, next to the Gluon ring W13 where that one runs) and the W2 count includes the fused
+combine, which one program per token and tile runs (and, with the ring W13, the compaction).
 """
 import argparse
 import collections
@@ -25,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moe_grouped_decode.contract import QWEN38_TP4 as c
-from moe_grouped_decode.kernels import grouped
+from moe_grouped_decode.kernels import grouped, w13_ring
 from moe_grouped_decode.kernels import configs
 from moe_grouped_decode.kernels.configs import QWEN38_TP4_SHAPE
 
@@ -33,10 +34,11 @@ TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def compile_kernel(fn, constexprs, pointer_types, num_warps, ints=None, options=None):
+def compile_kernel(fn, constexprs, pointer_types, num_warps, ints=None, options=None, source=ASTSource):
     """Compile ``fn`` for TARGET (sm_90, or ``--arch``) as a launch would specialize it: every pointer 16-byte aligned
     (torch allocations and the workspace regions are) and every integer argument given in
-    ``ints`` marked divisible by 16 where it is (Triton's JIT does both at launch time)."""
+    ``ints`` marked divisible by 16 where it is (Triton's JIT does both at launch time).
+    ``source``: GluonASTSource for a ``@gluon.jit`` kernel."""
     ints = ints or {}
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
@@ -49,7 +51,7 @@ def compile_kernel(fn, constexprs, pointer_types, num_warps, ints=None, options=
             signature[name] = "i32"
             if ints.get(name, 1) % 16 == 0:
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps, **(options or {})})
 
 
@@ -144,22 +146,37 @@ def main(argv=None):
                           SPLITS=config.w13_splits(K), IS_BF16=dtype == "bf16", USE_PDL=use_pdl)
         w13_ints = dict(stride_xm=K, rows=rows, num_arrivals=arrivals)
         w13_weights = config.w13_block_k * 64
-        # as launched at this M: registers and spills of the kernel that runs
-        w13 = compile_kernel(grouped._w13_kernel, dict(
-            w13_consts, R_PAD=max(16, grouped._next_pow2(rows)),
-            ARRIVALS_PAD=grouped._next_pow2(arrivals) if arrivals else 0), pointers, config.w13_warps, w13_ints)
         w13_grid = 1 + rows * config.w13_splits(K) * (2 * N // 8 // grouped.TILE_WORDS.value)
-        stats(f"M={M} {dtype} w13", w13, w13_weights, args.dump, w13_grid)
-        check_fragment_layouts(f"M={M} {dtype} w13", w13, config.w13_warps)
-        # program 0's sort and counter zeroing cut down to nothing: the tile programs' own count
+        arrivals_pad = grouped._next_pow2(arrivals) if arrivals else 0
+        ring = grouped.uses_w13_ring(config, divmod(args.arch, 10))
+        # as launched at this M: registers and spills of the kernel that runs
+        if ring:
+            from triton.experimental.gluon._runtime import GluonASTSource
+
+            w13 = compile_kernel(w13_ring.w13_ring_kernel, dict(
+                TOP_K=k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks,
+                CHUNKS_PAD=grouped._next_pow2(config.w13_chunks), SPLITS=config.w13_splits(K),
+                STAGES=config.w13_ring_stages, ARRIVALS_PAD=arrivals_pad, IS_BF16=dtype == "bf16", USE_PDL=use_pdl),
+                pointers, 1, w13_ints, source=GluonASTSource)
+            # its fragment layout is written out in Gluon, not chosen by Triton: nothing to check
+            stats(f"M={M} {dtype} w13", w13, w13_weights, args.dump, w13_grid)
+        else:
+            w13 = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=max(16, grouped._next_pow2(rows)),
+                                                           ARRIVALS_PAD=arrivals_pad),
+                                 pointers, config.w13_warps, w13_ints)
+            stats(f"M={M} {dtype} w13", w13, w13_weights, args.dump, w13_grid)
+            check_fragment_layouts(f"M={M} {dtype} w13", w13, config.w13_warps)
+        # the tl kernel at the same split, program 0's sort and counter zeroing cut down to nothing:
+        # the tile programs' own count
         w13_tile = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=16, ARRIVALS_PAD=0), pointers,
                                   config.w13_warps, w13_ints)
-        stats(f"M={M} {dtype} w13-tile-path", w13_tile, w13_weights, args.dump)
+        stats(f"M={M} {dtype} w13-tl-tile-path", w13_tile, w13_weights, args.dump)
         w2 = compile_kernel(grouped._w2_rows_kernel, dict(
             K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, N_PAD=grouped._next_pow2(N),
-            TOP_K=k, IS_BF16=dtype == "bf16", FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl), pointers,
+            TOP_K=k, IS_BF16=dtype == "bf16", FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
+            COMPACT=ring, R_PAD=max(16, grouped._next_pow2(rows))), pointers,
             config.w2_warps, dict(rows=rows, stride_om=K), config.w2_compile_options(divmod(args.arch, 10)))
-        stats(f"M={M} {dtype} w2", w2, N * config.w2_block_k, args.dump, rows * w2_tiles)
+        stats(f"M={M} {dtype} w2", w2, N * config.w2_block_k, args.dump, (rows + int(ring)) * w2_tiles)
         check_fragment_layouts(f"M={M} {dtype} w2", w2, config.w2_warps)
     return 0
 

@@ -150,7 +150,7 @@ def _sweep(args, layers, workspace, gen) -> List[Dict]:
     """Time every autotune candidate config of the grouped op (L2 cold, same method), and check
     each one's output on the first layer against the dense route (the unit tests cover only
     the table's configs)."""
-    from .kernels import configs, cuda_capability
+    from .kernels import configs, cuda_capability, grouped as grouped_kernels
     from .ops.cuda import launch_grouped
 
     c = QWEN38_TP4
@@ -162,7 +162,8 @@ def _sweep(args, layers, workspace, gen) -> List[Dict]:
         out = torch.empty_like(xs[0])
         dense_out = torch.ops.moe_grouped_decode.awq_moe_dense(xs[0], tws[0], ids[0], *layers[0].op_args()).float()
         timed = []
-        for candidate in configs.grouped_candidates(cuda_capability(device)):
+        capability = cuda_capability(device)
+        for candidate in configs.grouped_candidates(capability, grouped_kernels.ring_available(capability)):
             config = candidate.fitted(c.hidden_size)
             out.fill_(float("nan"))
             launch_grouped(xs[0], tws[0], ids[0], *layers[0].op_args(), workspace, out, config)

@@ -20,6 +20,8 @@ def test_table_entries_are_used_as_written(tokens):
     assert entry == entry.fitted(K)
     assert configs.grouped_config(QWEN38_TP4_SHAPE, "fp16", tokens) == entry
     assert 1 <= entry.w13_splits(K) <= MAX_SPLIT_K  # the workspace's partials region holds them
+    # the table was measured with the Gluon W13 (1-warp programs, a ring) on splits that tile K
+    assert entry.w13_ring_stages > 0 and entry.w13_warps == 1 and K % entry.w13_block_k == 0
 
 
 def test_unlisted_shape_gets_the_fitted_default():
@@ -38,11 +40,21 @@ def test_w2_register_cap_applies_from_hopper_on(capability, expected):
     assert GroupedConfig().w2_compile_options(capability) == {}  # no cap asked, none given
 
 
-def test_candidates_hold_the_register_cap_only_where_it_applies():
-    hopper, ampere = configs.grouped_candidates((9, 0)), configs.grouped_candidates((8, 0))
+@pytest.mark.parametrize("ring", [True, False])  # the Gluon W13 available (a GPU with Gluon) or not
+def test_candidates_hold_the_register_cap_only_where_it_applies(ring):
+    hopper, ampere = configs.grouped_candidates((9, 0), ring), configs.grouped_candidates((8, 0), ring)
     assert len(set(hopper)) == len(hopper) == 2 * len(ampere)
     assert {c.w2_max_registers for c in ampere} == {0}  # the cap is a no-op there: no duplicate timings
     assert set(ampere) < set(hopper)
+
+
+def test_candidates_ask_for_the_ring_only_where_it_runs():
+    with_ring, without = configs.grouped_candidates((9, 0), True), configs.grouped_candidates((9, 0), False)
+    # without Gluon a ring depth would silently time the tl kernel twice
+    assert {c.w13_ring_stages for c in without} == {0}
+    assert {c.w13_ring_stages for c in with_ring} == {2, 4}
+    # the ring candidates' splits tile K = 2560 (no masked chunks) and need no fitting
+    assert all(K % c.w13_block_k == 0 and c == c.fitted(K) for c in with_ring)
 
 
 def test_tuned_cache_round_trip_and_precedence(tmp_path, monkeypatch):

@@ -254,3 +254,40 @@ def test_launch_variants_give_the_default_bits(layer, workspace, fused_combine, 
     workspace.fill_(-1)
     launch_grouped(x, tw, ids, *weights.op_args(), workspace, out, config)
     assert torch.equal(out.view(torch.int16), default.view(torch.int16))
+
+
+# (M, W13 split rows): why
+RING_CASES = [
+    (2, 256),  # M = 2's table split: 10 splits that tile K, 8 chunks each
+    (8, 512),  # M = 8's: 16 chunks per split, deeper than any ring
+    (5, 384),  # a split that does not tile K = 2560: the last split's chunks past K are masked and zeroed
+]
+
+
+@pytest.mark.parametrize("M,split", RING_CASES)
+def test_ring_w13_gives_the_tl_kernels_bits(layer, workspace, M, split):
+    """The Gluon W13 (kernels/w13_ring.py: loads staged in shared memory) runs the tl W13's
+    fragments and sums: the same bits at the same split, for rings shallower and deeper than
+    the table's, on routing where tokens share experts."""
+    import dataclasses
+
+    from moe_grouped_decode.kernels import configs, cuda_capability, grouped
+    from moe_grouped_decode.ops.cuda import launch_grouped
+
+    weights, _ = layer
+    gen = torch.Generator().manual_seed(7 + M)
+    x = activations(M, weights.dtype, gen)
+    ids, tw = routing("round_robin", M, gen)
+    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[weights.dtype]
+    base = dataclasses.replace(configs.grouped_config((E, TOP_K, K, N, G), dtype_name, M), w13_block_k=split).fitted(K)
+    outs = {}
+    for stages in (0, 2, 4):
+        config = dataclasses.replace(base, w13_ring_stages=stages)
+        assert grouped.uses_w13_ring(config, cuda_capability(x.device)) == (stages > 0)
+        out = torch.full_like(x, float("nan"))
+        workspace.fill_(-1)
+        launch_grouped(x, tw, ids, *weights.op_args(), workspace, out, config)
+        outs[stages] = out
+    assert not torch.isnan(outs[0]).any()
+    for stages in (2, 4):
+        assert torch.equal(outs[stages].view(torch.int16), outs[0].view(torch.int16)), f"ring {stages}"

@@ -31,6 +31,9 @@ class GroupedConfig:
     fused_combine: bool = True  # the combine inside the W2 launch (last-arriving program per token tile)
     pdl: bool = True  # programmatic dependent launch between the op's launches (used on Hopper and newer)
     w2_max_registers: int = 0  # W2: registers per thread the compiler may use (0: its own choice; Hopper+)
+    # W13 as the Gluon kernel (w13_ring.py) with a shared-memory ring of this many 32-row chunks,
+    # for 1-warp W13 programs where Gluon runs (not the interpreter); 0: the tl kernel. Same bits.
+    w13_ring_stages: int = 3
 
     @property
     def w13_chunks(self) -> int:
@@ -85,14 +88,15 @@ MAX_SPLIT_K = 32
 # (E, k, K, N, G) of the qwen3.8-tp4 contract.
 QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 
-# Sweep winners on H200, fp16 (docs/PERF.md v8; docs/bench/explorations.md runs 11-12), keyed by M:
-# more tokens want fewer W13 splits (every W2 program sums its row's splits again); the W2
-# register cap (four 4-warp programs per SM instead of three) pays ~1.2 us at M = 4 and is
-# within noise at M = 8.
+# Measured winners on H200, fp16, keyed by M (docs/PERF.md v9; docs/bench/explorations.md runs
+# 11-12 for W2, 25 for the W13 ring): the ring W13 wants longer splits than v8's tl kernel (256
+# rows at M = 2 and 4, 512 at M = 8, splits that tile K = 2560 exactly); more tokens want fewer
+# splits (every W2 program sums its row's splits again); the W2 register cap (four 4-warp
+# programs per SM instead of three) pays ~1.2 us at M = 4 and is within noise at M = 8.
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
-    2: GroupedConfig(w13_block_k=128, w2_warps=8),
-    4: GroupedConfig(w13_block_k=192, w2_warps=4, w2_max_registers=128),
-    8: GroupedConfig(w13_block_k=384, w2_warps=4, w2_max_registers=128),
+    2: GroupedConfig(w13_block_k=256, w2_warps=8, w13_ring_stages=4),
+    4: GroupedConfig(w13_block_k=256, w2_warps=4, w2_max_registers=128, w13_ring_stages=4),
+    8: GroupedConfig(w13_block_k=512, w2_warps=4, w2_max_registers=128, w13_ring_stages=2),
 }
 
 
@@ -106,7 +110,7 @@ def _safe(text: str) -> str:
 
 # Part of the cache file name: a kernel change that moves the timings bumps it, so configs
 # tuned for older kernels are not read back.
-KERNELS_VERSION = "v8"
+KERNELS_VERSION = "v9"
 
 
 def cache_path(gpu_name: str, triton_version: str) -> Path:
@@ -176,13 +180,18 @@ def dense_config(shape: Tuple[int, int, int, int, int], num_tokens: int) -> Dens
     return config.fitted(shape[4])
 
 
-def grouped_candidates(capability: Tuple[int, int]) -> Tuple[GroupedConfig, ...]:
+def grouped_candidates(capability: Tuple[int, int], ring: bool) -> Tuple[GroupedConfig, ...]:
     """The small search space of the opt-in autotune (and of `bench --sweep`) on a GPU of
-    compute ``capability`` (the register cap only where it applies: w2_compile_options)."""
+    compute ``capability`` (the register cap only where it applies: w2_compile_options); with
+    ``ring`` (the Gluon W13 runs there), W13 splits that tile 2560 and ring depths 2 and 4 (the
+    range that won in explorations run 25), else the tl W13's splits."""
     caps = (0, 128) if GroupedConfig(w2_max_registers=128).w2_compile_options(capability) else (0,)
+    w13 = ([(rows, stages) for rows in (128, 256, 512) for stages in (2, 4)] if ring
+           else [(rows, 0) for rows in (128, 192, 256, 384, 512)])
     return tuple(
-        GroupedConfig(w13_block_k=w13_block_k, w2_warps=w2_warps, w2_max_registers=w2_max_registers)
-        for w13_block_k in (128, 192, 256, 384, 512)
+        GroupedConfig(w13_block_k=w13_block_k, w13_ring_stages=stages, w2_warps=w2_warps,
+                      w2_max_registers=w2_max_registers)
+        for w13_block_k, stages in w13
         for w2_warps in (4, 8)
         for w2_max_registers in caps
     )

@@ -20,6 +20,10 @@ Launches (no host sync; every grid is sized by the static R = M * k rows)::
    index experts by routed row, so they need no compaction first; rows that
    share an expert read it again from L2 (the layer's active W13 is ~36 MB at
    M = 8, under the 60 MB of an H200), not from DRAM.
+   With ``w13_ring_stages`` (the default), the same programs run as a Gluon
+   kernel (``w13_ring.py``) whose loads go through shared memory: same bits,
+   fewer instructions; program 0 then only zeroes the counters and the W2
+   launch's one extra program writes the compaction.
 2. W2 (+ combine): see above; every program of a row sums the row's partials
    again (cheap in L2; fewer, longer splits as M grows keep it small), and
    64 columns per warp go through ``awq_mma`` with the float32 activations as
@@ -44,6 +48,7 @@ import triton.language as tl
 
 from .awq_mma import CHUNK_ROWS, TILE_WORDS, awq_mma_chunk, chunk_columns, chunk_lanes, chunk_rows
 from . import MIN_CUDA_CAPABILITY, cuda_capability
+from . import w13_ring
 from .awq_tiles import silu_mul
 from .combine import combine_rows, combine_tile
 from .configs import GroupedConfig
@@ -174,9 +179,11 @@ def _w2_rows_kernel(
     act_ptr, row_out_ptr,
     rows,
     topk_weights_ptr, out_ptr, stride_om, arrivals_ptr,
+    sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr,
     K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr, WARPS: tl.constexpr,
     N_PAD: tl.constexpr, TOP_K: tl.constexpr,
     IS_BF16: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_PDL: tl.constexpr,
+    COMPACT: tl.constexpr, R_PAD: tl.constexpr,
 ):
     """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32.
 
@@ -189,13 +196,21 @@ def _w2_rows_kernel(
     back its fragment rows), split into a 16-bit hi + lo pair. With
     FUSED_COMBINE, the last of a token's k programs on a column tile to arrive (an
     int32 counter per (token, tile), zeroed by the W13 launch) sums the token's k
-    row outputs of that tile in j order into ``out``.
+    row outputs of that tile in j order into ``out``. With COMPACT (the Gluon W13, which
+    cannot sort, ran before), the grid has one more row, whose tile-0 program writes the
+    compaction (nothing in the op reads it; it depends only on topk_ids).
     """
     # the combine launch may start early; with the combine fused, W2 is the op's last launch and
     # whatever follows the op must not start before W2 is done
     let_next_launch_start(USE_PDL and not FUSED_COMBINE)
     row = tl.program_id(0)
     tile = tl.program_id(1)
+    if COMPACT:
+        if row == rows:
+            if tile == 0:
+                _compact_rows(ids_ptr, rows, sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr,
+                              segment_offsets_ptr, live_count_ptr, R_PAD)
+            return
     PACKED_K: tl.constexpr = K // 8
     CHUNKS: tl.constexpr = N // CHUNK_ROWS
     HALF: tl.constexpr = tl.bfloat16 if IS_BF16 else tl.float16
@@ -263,9 +278,23 @@ def launched_stages(config: GroupedConfig) -> Tuple[str, ...]:
     return STAGES if not config.fused_combine else ("w13", "w2")
 
 
+def ring_available(capability: Tuple[int, int]) -> bool:
+    """Whether the Gluon W13 (w13_ring.py) can run: Gluon present and compiling for a GPU of
+    ``capability`` (not under the interpreter, capability (0, 0))."""
+    return w13_ring.AVAILABLE and capability != (0, 0)
+
+
+def uses_w13_ring(config: GroupedConfig, capability: Tuple[int, int]) -> bool:
+    """Whether W13 runs as the Gluon ring kernel: asked for by the config (a ring depth,
+    1-warp programs) and available. Otherwise the tl kernel runs; at the same split both
+    give the same bits."""
+    return config.w13_ring_stages > 0 and config.w13_warps == 1 and ring_available(capability)
+
+
 def compact(topk_ids, sorted_rows, sorted_experts, active_experts, segment_offsets, live_count) -> None:
     """Launch the compaction alone (one program) over topk_ids' M*k rows; the grouped
-    op does it inside its W13 launch, the benchmark's read floor uses this."""
+    op does it inside its W13 launch (its W2 launch with the ring W13), the benchmark's
+    read floor uses this."""
     rows = topk_ids.numel()
     _compact_kernel[(1,)](
         topk_ids, rows, sorted_rows, sorted_experts, active_experts, segment_offsets, live_count,
@@ -308,8 +337,19 @@ def grouped_decode(
     if num_arrivals > scratch.combine_arrivals.numel():
         raise ValueError(f"grouped_decode: {num_arrivals} combine counters needed, the workspace holds "
                          f"{scratch.combine_arrivals.numel()}")
-    if "w13" in stages:
-        _w13_kernel[(1 + rows * splits * (2 * N // 8 // TILE_WORDS.value),)](
+    w13_grid = (1 + rows * splits * (2 * N // 8 // TILE_WORDS.value),)
+    ring = uses_w13_ring(config, capability)
+    if "w13" in stages and ring:
+        w13_ring.w13_ring_kernel[w13_grid](
+            hidden_states, hidden_states.stride(0), topk_ids, w13_qweight, w13_scales, w13_qzeros,
+            scratch.gate_up_partials, rows, scratch.combine_arrivals, num_arrivals,
+            TOP_K=top_k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, CHUNKS_PAD=_next_pow2(config.w13_chunks),
+            SPLITS=splits, STAGES=config.w13_ring_stages,
+            ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
+            num_warps=1,
+        )
+    elif "w13" in stages:
+        _w13_kernel[w13_grid](
             hidden_states, hidden_states.stride(0),
             topk_ids,
             w13_qweight, w13_scales, w13_qzeros,
@@ -323,15 +363,18 @@ def grouped_decode(
             num_warps=config.w13_warps,
         )
     if "w2" in stages:
-        _w2_rows_kernel[(rows, w2_tiles)](
+        _w2_rows_kernel[(rows + int(ring), w2_tiles)](
             topk_ids,
             scratch.gate_up_partials,
             w2_qweight, w2_scales, w2_qzeros,
             scratch.activations, scratch.row_outputs,
             rows,
             topk_weights, out, out.stride(0), scratch.combine_arrivals,
+            scratch.sorted_rows, scratch.sorted_experts, scratch.active_experts, scratch.segment_offsets,
+            scratch.live_count,
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=_next_pow2(N), TOP_K=top_k,
             IS_BF16=is_bf16, FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
+            COMPACT=ring, R_PAD=max(16, _next_pow2(rows)),
             num_warps=config.w2_warps, **launch_options(use_pdl), **config.w2_compile_options(capability),
         )
     if not config.fused_combine and "combine" in stages:

@@ -134,7 +134,7 @@ def _time_grouped(args, workspace, config, routings, replays: int = 20) -> float
 
 def _tune_grouped(hidden_states, topk_weights, weights: Sequence[torch.Tensor], group_size, workspace, num_tokens) -> None:
     """Search the small config space for one token count; cache the winner on disk."""
-    from ..kernels import configs, cuda_capability
+    from ..kernels import configs, cuda_capability, grouped
     import triton
 
     E, top_k = weights[0].shape[0], topk_weights.shape[1]
@@ -147,7 +147,8 @@ def _tune_grouped(hidden_states, topk_weights, weights: Sequence[torch.Tensor], 
     routings = [_random_routing(num_tokens, top_k, E, hidden_states.device, gen) for _ in range(16)]
     args = (hidden_states[:num_tokens], topk_weights[:num_tokens], None, *weights, group_size)
     best, best_us = None, float("inf")
-    for candidate in configs.grouped_candidates(cuda_capability(hidden_states.device)):
+    capability = cuda_capability(hidden_states.device)
+    for candidate in configs.grouped_candidates(capability, grouped.ring_available(capability)):
         us = _time_grouped(args, workspace, candidate.fitted(shape[2]), routings)
         if us < best_us:
             best, best_us = candidate, us
