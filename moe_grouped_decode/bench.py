@@ -27,6 +27,7 @@ from typing import Dict, List
 
 import torch
 
+from . import env
 from .awq import synthetic_moe_weights
 from .contract import QWEN38_TP4
 from .ops.cuda import graph_replay_us
@@ -141,6 +142,7 @@ def run(args) -> Dict:
         "triton": __import__("triton").__version__,
         "python": platform.python_version(),
         "vllm": vllm_note,
+        "w13_kernel": _w13_kernel_name(),
         "rows": rows,
         "seconds": time.time() - t0,
     }
@@ -163,7 +165,8 @@ def _sweep(args, layers, workspace, gen) -> List[Dict]:
         dense_out = torch.ops.moe_grouped_decode.awq_moe_dense(xs[0], tws[0], ids[0], *layers[0].op_args()).float()
         timed = []
         capability = cuda_capability(device)
-        for candidate in configs.grouped_candidates(capability, grouped_kernels.ring_available(capability)):
+        ring = grouped_kernels.ring_available(capability) and env.gluon_w13_enabled()
+        for candidate in configs.grouped_candidates(capability, ring):
             config = candidate.fitted(c.hidden_size)
             out.fill_(float("nan"))
             launch_grouped(xs[0], tws[0], ids[0], *layers[0].op_args(), workspace, out, config)
@@ -221,10 +224,20 @@ def _fmt(value, spec):
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def _w13_kernel_name() -> str:
+    """Which W13 kernel the grouped op ran (kernels.grouped.uses_w13_ring, for the table's configs)."""
+    from .kernels import cuda_capability, grouped as grouped_kernels
+
+    if not env.gluon_w13_enabled():
+        return f"tl ({env.GLUON_W13_ENV}=0)"
+    return "Gluon ring" if grouped_kernels.ring_available(cuda_capability(torch.device("cuda"))) else "tl (no Gluon)"
+
+
 def markdown(result: Dict) -> str:
     lines = [
         f"{result['contract']} {result['dtype']}, {result['gpu']}, torch {result['torch']}, triton {result['triton']}, "
-        f"{result['layers_rotated']} layers rotated in one CUDA graph; us per layer (median); vLLM: {result['vllm']}",
+        f"{result['layers_rotated']} layers rotated in one CUDA graph; us per layer (median); W13: "
+        f"{result.get('w13_kernel', 'tl')}; vLLM: {result['vllm']}",
         "",
         "| M | active experts | MB read | grouped | dense | floor2 | floor1 | grouped/floor2 | grouped/floor1 | dense/grouped | grouped TB/s | floor2 TB/s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -7,6 +7,11 @@
     "on where possible, silently dense elsewhere".
 ``VLLM_AWQ_MOE_GROUPED_DECODE_TUNE``
     ``1``: opt-in autotune of small shapes at warmup. Default off.
+``VLLM_AWQ_MOE_GROUPED_DECODE_GLUON``
+    unset or ``1``: the grouped op's W13 runs as the Gluon kernel (``kernels/w13_ring.py``)
+    where Gluon runs. ``0``: the ``tl`` W13 everywhere, the rollback should Triton's
+    experimental Gluon misbehave (same bits at the same split; the table's splits were
+    measured with the Gluon kernel, so the ``tl`` one runs them a little slower than v8's).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 
 GROUPED_DECODE_ENV = "VLLM_AWQ_MOE_GROUPED_DECODE"
 TUNE_ENV = "VLLM_AWQ_MOE_GROUPED_DECODE_TUNE"
+GLUON_W13_ENV = "VLLM_AWQ_MOE_GROUPED_DECODE_GLUON"
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -52,3 +58,7 @@ def grouped_decode_mode() -> GroupedDecodeMode:
 
 def tune_enabled() -> bool:
     return bool(_parse_bool(TUNE_ENV, False))
+
+
+def gluon_w13_enabled() -> bool:
+    return bool(_parse_bool(GLUON_W13_ENV, True))

@@ -291,3 +291,23 @@ def test_ring_w13_gives_the_tl_kernels_bits(layer, workspace, M, split):
     assert not torch.isnan(outs[0]).any()
     for stages in (2, 4):
         assert torch.equal(outs[stages].view(torch.int16), outs[0].view(torch.int16)), f"ring {stages}"
+
+
+def test_gluon_switch_off_runs_the_tl_w13(layer, workspace, monkeypatch):
+    """VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0 (the rollback): the op never launches the Gluon W13
+    and still matches the reference."""
+    from moe_grouped_decode.env import GLUON_W13_ENV
+    from moe_grouped_decode.kernels import w13_ring
+
+    class Forbidden:
+        def __getitem__(self, grid):
+            raise AssertionError("the Gluon W13 was launched with the switch off")
+
+    monkeypatch.setenv(GLUON_W13_ENV, "0")
+    monkeypatch.setattr(w13_ring, "w13_ring_kernel", Forbidden())
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(11)
+    x = activations(8, weights.dtype, gen)
+    ids, tw = routing("random", 8, gen)
+    out = run_grouped(x, tw, ids, weights, workspace)
+    assert_close(f"grouped {weights.dtype} M=8 tl W13 (switch off)", out, x, tw, ids, cpu_weights)

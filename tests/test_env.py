@@ -2,7 +2,8 @@
 
 import pytest
 
-from moe_grouped_decode.env import GROUPED_DECODE_ENV, TUNE_ENV, GroupedDecodeMode, grouped_decode_mode, tune_enabled
+from moe_grouped_decode.env import (GLUON_W13_ENV, GROUPED_DECODE_ENV, TUNE_ENV, GroupedDecodeMode, gluon_w13_enabled,
+                                    grouped_decode_mode, tune_enabled)
 
 
 def set_or_unset(monkeypatch, name, value):
@@ -39,3 +40,13 @@ def test_unknown_value_is_an_error_not_a_guess(monkeypatch):
 def test_tune_default_off(monkeypatch, value, enabled):
     set_or_unset(monkeypatch, TUNE_ENV, value)
     assert tune_enabled() is enabled
+
+
+@pytest.mark.parametrize("value,enabled", [
+    (None, True),  # unset: the Gluon W13 where it runs
+    ("1", True),
+    ("0", False),  # rollback to the tl W13
+])
+def test_gluon_w13_default_on(monkeypatch, value, enabled):
+    set_or_unset(monkeypatch, GLUON_W13_ENV, value)
+    assert gluon_w13_enabled() is enabled

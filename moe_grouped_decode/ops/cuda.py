@@ -8,6 +8,7 @@ compiles every kernel variant (and, opt-in, autotunes) before CUDA-graph capture
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -43,6 +44,8 @@ def launch_grouped(hidden_states, topk_weights, topk_ids, w13_qweight, w13_scale
     shape = _shape(hidden_states, topk_ids, w13_qweight, w2_qweight, group_size)
     if config is None:
         config = configs.grouped_config(shape, _DTYPE_NAMES[hidden_states.dtype], M)
+    if config.w13_ring_stages and not env.gluon_w13_enabled():
+        config = dataclasses.replace(config, w13_ring_stages=0)
     views = workspace_views(workspace, M * shape[1], K, shape[3])
     grouped.grouped_decode(
         hidden_states, topk_weights.contiguous(), topk_ids.contiguous(),
@@ -148,7 +151,8 @@ def _tune_grouped(hidden_states, topk_weights, weights: Sequence[torch.Tensor], 
     args = (hidden_states[:num_tokens], topk_weights[:num_tokens], None, *weights, group_size)
     best, best_us = None, float("inf")
     capability = cuda_capability(hidden_states.device)
-    for candidate in configs.grouped_candidates(capability, grouped.ring_available(capability)):
+    ring = grouped.ring_available(capability) and env.gluon_w13_enabled()
+    for candidate in configs.grouped_candidates(capability, ring):
         us = _time_grouped(args, workspace, candidate.fitted(shape[2]), routings)
         if us < best_us:
             best, best_us = candidate, us
