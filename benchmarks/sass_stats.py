@@ -3,8 +3,8 @@
     PYTHONPATH=. python benchmarks/sass_stats.py [--dump DIR] [--arch 80]
 
 No GPU needed: the counts explain the measured times (docs/PERF.md) without device time.
-Exits non-zero if an inline mma's operands are not laid out one row per lane
-(check_fragment_layouts). Prints, per kernel at the qwen3.8-tp4 shape, dtype, launch config and token count M, specialized
+Exits non-zero if an inline mma's operands in a ``tl`` kernel are not laid out one row per lane
+(check_fragment_layouts; the Gluon W13 writes its layout out, nothing for Triton to choose). Prints, per kernel at the qwen3.8-tp4 shape, dtype, launch config and token count M, specialized
 as a launch specializes it (pointer and integer alignment): registers, stack (spills),
 instructions by class and lane-instructions per weight, and for the launched kernels how many
 programs share an SM (registers, warps, shared memory) and how many waves the grid takes. The tile programs are loop-free,
@@ -136,7 +136,7 @@ def main(argv=None):
     TARGET = GPUTarget("cuda", args.arch, 32)
     K, N, G, k = c.hidden_size, c.intermediate_size, c.group_size, c.top_k
     for dtype, M in (("fp16", 2), ("fp16", 8), ("bf16", 8)):  # bf16: its own PTX (magic numbers, mma kind)
-        config = configs.grouped_config(QWEN38_TP4_SHAPE, dtype, M)
+        config = configs.grouped_config(QWEN38_TP4_SHAPE, dtype, M, grouped.ring_available(divmod(args.arch, 10)))
         use_pdl = config.pdl and args.arch >= 90  # as kernels.pdl.pdl_supported decides at launch
         pointers = dict(PTR16, **{name: f"*{dtype}" for name in ("x_ptr", "scales_ptr", "out_ptr")})
         rows = M * k
@@ -171,6 +171,7 @@ def main(argv=None):
         w13_tile = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=16, ARRIVALS_PAD=0), pointers,
                                   config.w13_warps, w13_ints)
         stats(f"M={M} {dtype} w13-tl-tile-path", w13_tile, w13_weights, args.dump)
+        check_fragment_layouts(f"M={M} {dtype} w13-tl-tile-path", w13_tile, config.w13_warps)
         w2 = compile_kernel(grouped._w2_rows_kernel, dict(
             K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, N_PAD=grouped._next_pow2(N),
             TOP_K=k, IS_BF16=dtype == "bf16", FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,

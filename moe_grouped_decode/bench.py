@@ -165,8 +165,7 @@ def _sweep(args, layers, workspace, gen) -> List[Dict]:
         dense_out = torch.ops.moe_grouped_decode.awq_moe_dense(xs[0], tws[0], ids[0], *layers[0].op_args()).float()
         timed = []
         capability = cuda_capability(device)
-        ring = grouped_kernels.ring_available(capability) and env.gluon_w13_enabled()
-        for candidate in configs.grouped_candidates(capability, ring):
+        for candidate in configs.grouped_candidates(capability, grouped_kernels.ring_available(capability)):
             config = candidate.fitted(c.hidden_size)
             out.fill_(float("nan"))
             launch_grouped(xs[0], tws[0], ids[0], *layers[0].op_args(), workspace, out, config)
@@ -185,7 +184,8 @@ def _sweep(args, layers, workspace, gen) -> List[Dict]:
 
 
 def _breakdown(args, layers, workspace, gen) -> List[Dict]:
-    """Each grouped stage alone (W13 includes the compaction program), same method.
+    """Each grouped stage alone, same method (the compaction program is in W13's launch with
+    the tl W13, in W2's with the Gluon one).
 
     Stages after W13 reuse whatever partials the last layer left in the
     workspace: the timing is right, the numbers are not. W2 alone with the
@@ -193,15 +193,16 @@ def _breakdown(args, layers, workspace, gen) -> List[Dict]:
     arrival counters, so without it no W2 program arrives last."""
     import dataclasses
 
-    from .kernels import configs, grouped as grouped_kernels
+    from .kernels import configs, cuda_capability, grouped as grouped_kernels
     from .ops import workspace_views
 
     c = QWEN38_TP4
     device = torch.device("cuda")
     shape = (c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size)
+    ring = grouped_kernels.ring_available(cuda_capability(device))
     results = []
     for M in [int(m) for m in args.breakdown.split(",")]:
-        config = configs.grouped_config(shape, args.dtype, M)
+        config = configs.grouped_config(shape, args.dtype, M, ring)
         ids, tws, xs = random_layer_inputs(M, c.top_k, c.num_experts, c.hidden_size, args.layers, layers[0].dtype,
                                            device, gen)
         out = torch.empty_like(xs[0])

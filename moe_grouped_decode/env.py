@@ -9,9 +9,8 @@
     ``1``: opt-in autotune of small shapes at warmup. Default off.
 ``VLLM_AWQ_MOE_GROUPED_DECODE_GLUON``
     unset or ``1``: the grouped op's W13 runs as the Gluon kernel (``kernels/w13_ring.py``)
-    where Gluon runs. ``0``: the ``tl`` W13 everywhere, the rollback should Triton's
-    experimental Gluon misbehave (same bits at the same split; the table's splits were
-    measured with the Gluon kernel, so the ``tl`` one runs them a little slower than v8's).
+    where Gluon runs. ``0``: the ``tl`` W13 everywhere, with its own (v8) table: the rollback
+    should Triton's experimental Gluon misbehave (same bits at the same split).
 """
 
 from __future__ import annotations

@@ -24,6 +24,15 @@ def test_table_entries_are_used_as_written(tokens):
     assert entry.w13_ring_stages > 0 and entry.w13_warps == 1 and K % entry.w13_block_k == 0
 
 
+@pytest.mark.parametrize("tokens", sorted(configs._QWEN38_TP4_GROUPED_TL))  # every entry of the tl W13's table
+def test_without_the_gluon_w13_the_tl_table_is_used(tokens):
+    entry = configs._QWEN38_TP4_GROUPED_TL[tokens]
+    assert entry == entry.fitted(K) and entry.w13_ring_stages == 0
+    assert configs.grouped_config(QWEN38_TP4_SHAPE, "fp16", tokens, ring=False) == entry
+    assert configs.shape_key(QWEN38_TP4_SHAPE, "fp16", tokens, ring=False) != configs.shape_key(
+        QWEN38_TP4_SHAPE, "fp16", tokens)  # tuned with and without the ring: kept apart
+
+
 def test_unlisted_shape_gets_the_fitted_default():
     shape = (64, 4, 1024, 96, 32)
     assert configs.grouped_config(shape, "fp16", 3) == GroupedConfig().fitted(shape[2])

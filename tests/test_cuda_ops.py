@@ -17,6 +17,8 @@ import torch
 
 from moe_grouped_decode.awq import slice_tp, synthetic_moe_weights
 from moe_grouped_decode.contract import QWEN38_TP4
+from moe_grouped_decode.env import GLUON_W13_ENV
+from moe_grouped_decode.kernels import w13_ring
 from moe_grouped_decode.ops import alloc_workspace, error_stats, reference_moe, reference_segments, workspace_views
 
 pytestmark = [
@@ -264,8 +266,9 @@ RING_CASES = [
 ]
 
 
+@pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")
 @pytest.mark.parametrize("M,split", RING_CASES)
-def test_ring_w13_gives_the_tl_kernels_bits(layer, workspace, M, split):
+def test_ring_w13_gives_the_tl_kernels_bits(layer, workspace, M, split, monkeypatch):
     """The Gluon W13 (kernels/w13_ring.py: loads staged in shared memory) runs the tl W13's
     fragments and sums: the same bits at the same split, for rings shallower and deeper than
     the table's, on routing where tokens share experts."""
@@ -274,6 +277,7 @@ def test_ring_w13_gives_the_tl_kernels_bits(layer, workspace, M, split):
     from moe_grouped_decode.kernels import configs, cuda_capability, grouped
     from moe_grouped_decode.ops.cuda import launch_grouped
 
+    monkeypatch.delenv(GLUON_W13_ENV, raising=False)  # the switch off would make every run the tl one
     weights, _ = layer
     gen = torch.Generator().manual_seed(7 + M)
     x = activations(M, weights.dtype, gen)
@@ -293,11 +297,10 @@ def test_ring_w13_gives_the_tl_kernels_bits(layer, workspace, M, split):
         assert torch.equal(outs[stages].view(torch.int16), outs[0].view(torch.int16)), f"ring {stages}"
 
 
+@pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")
 def test_gluon_switch_off_runs_the_tl_w13(layer, workspace, monkeypatch):
     """VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0 (the rollback): the op never launches the Gluon W13
     and still matches the reference."""
-    from moe_grouped_decode.env import GLUON_W13_ENV
-    from moe_grouped_decode.kernels import w13_ring
 
     class Forbidden:
         def __getitem__(self, grid):

@@ -44,9 +44,15 @@ def test_tune_default_off(monkeypatch, value, enabled):
 
 @pytest.mark.parametrize("value,enabled", [
     (None, True),  # unset: the Gluon W13 where it runs
-    ("1", True),
+    ("1", True),  # explicit on: the same (Gluon missing is not an error: the tl W13 runs)
     ("0", False),  # rollback to the tl W13
 ])
 def test_gluon_w13_default_on(monkeypatch, value, enabled):
     set_or_unset(monkeypatch, GLUON_W13_ENV, value)
     assert gluon_w13_enabled() is enabled
+
+
+def test_gluon_switch_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv(GLUON_W13_ENV, "tl")
+    with pytest.raises(ValueError, match=GLUON_W13_ENV):
+        gluon_w13_enabled()

@@ -2,7 +2,11 @@
 interpreter cannot run Gluon; the GPU tests check its bits against the tl kernel): the copies'
 row permutation composed with the permuted shared view must hand every lane awq_mma's fragment
 rows, and each register's reads must hit 32 distinct banks."""
+import inspect
+
 import numpy as np
+
+from moe_grouped_decode.kernels import w13_ring
 
 
 def pi(q):  # global chunk row held by shared row q (the copies' chunk_row)
@@ -42,3 +46,11 @@ def test_activation_view_gives_fragment_rows():
     for t in range(4):
         for e in range(8):
             assert int(seen[t, e]) == 16 * (e // 4) + 4 * t + e % 4
+
+
+def test_the_kernel_uses_this_plan():
+    """The plan above is what w13_ring.py's source does (Gluon cannot run here to check it)."""
+    source = inspect.getsource(w13_ring)
+    assert "chunk_row = (q & 16) | ((q & 3) << 2) | ((q >> 2) & 3)" in source
+    assert ".reshape([2, 4, 4, 8]).permute([3, 2, 0, 1]).reshape([8, 4, 8])" in source
+    assert ".reshape([2, 4, 4]).permute([1, 0, 2]).reshape([4, 8])" in source

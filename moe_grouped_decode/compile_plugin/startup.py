@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..contract import Admission, LayerShape, admits
-from ..env import GROUPED_DECODE_ENV, GroupedDecodeMode, grouped_decode_mode
+from ..env import GROUPED_DECODE_ENV, GroupedDecodeMode, gluon_w13_enabled, grouped_decode_mode
 from ..kernels import MIN_CUDA_CAPABILITY
 
 logger = logging.getLogger("moe_grouped_decode")
@@ -63,6 +63,7 @@ def check_switch(device_type: str, capability: Optional[Tuple[int, int]] = None)
     reports it without initializing CUDA (None where unknown).
     """
     mode = grouped_decode_mode()
+    gluon_w13_enabled()  # parsed now: a bad value fails at startup, not at the first decode step
     if mode is GroupedDecodeMode.OFF:
         return False
     missing = kernels_unavailable_reason(device_type, capability)

@@ -32,8 +32,8 @@ class GroupedConfig:
     pdl: bool = True  # programmatic dependent launch between the op's launches (used on Hopper and newer)
     w2_max_registers: int = 0  # W2: registers per thread the compiler may use (0: its own choice; Hopper+)
     # W13 as the Gluon kernel (w13_ring.py) with a shared-memory ring of this many 32-row chunks,
-    # for 1-warp W13 programs where Gluon runs (not the interpreter); 0: the tl kernel. Same bits.
-    w13_ring_stages: int = 3
+    # for 1-warp W13 programs where Gluon runs (grouped.uses_w13_ring); 0: the tl kernel. Same bits.
+    w13_ring_stages: int = 4
 
     @property
     def w13_chunks(self) -> int:
@@ -88,8 +88,8 @@ MAX_SPLIT_K = 32
 # (E, k, K, N, G) of the qwen3.8-tp4 contract.
 QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 
-# Measured winners on H200, fp16, keyed by M (docs/PERF.md v9; docs/bench/explorations.md runs
-# 11-12 for W2, 25 for the W13 ring): the ring W13 wants longer splits than v8's tl kernel (256
+# Measured winners on H200, fp16, keyed by M, with the Gluon W13 (docs/PERF.md v9;
+# docs/bench/explorations.md runs 11-12 for W2, 25-26 for the W13 ring): the ring W13 wants longer splits than v8's tl kernel (256
 # rows at M = 2 and 4, 512 at M = 8, splits that tile K = 2560 exactly); more tokens want fewer
 # splits (every W2 program sums its row's splits again); the W2 register cap (four 4-warp
 # programs per SM instead of three) pays ~1.2 us at M = 4 and is within noise at M = 8.
@@ -97,6 +97,13 @@ _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
     2: GroupedConfig(w13_block_k=256, w2_warps=8, w13_ring_stages=4),
     4: GroupedConfig(w13_block_k=256, w2_warps=4, w2_max_registers=128, w13_ring_stages=4),
     8: GroupedConfig(w13_block_k=512, w2_warps=4, w2_max_registers=128, w13_ring_stages=2),
+}
+# Where the Gluon W13 does not run (no Gluon, VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0): v8's table for
+# the tl W13, which wants shorter splits (run 25: the tl W13 at 256 rows is 2 us slower at M = 2).
+_QWEN38_TP4_GROUPED_TL: Dict[int, GroupedConfig] = {
+    2: GroupedConfig(w13_block_k=128, w2_warps=8, w13_ring_stages=0),
+    4: GroupedConfig(w13_block_k=192, w2_warps=4, w2_max_registers=128, w13_ring_stages=0),
+    8: GroupedConfig(w13_block_k=384, w2_warps=4, w2_max_registers=128, w13_ring_stages=0),
 }
 
 
@@ -117,9 +124,11 @@ def cache_path(gpu_name: str, triton_version: str) -> Path:
     return _cache_dir() / f"grouped_{KERNELS_VERSION}_{_safe(gpu_name)}_triton{_safe(triton_version)}.json"
 
 
-def shape_key(shape: Tuple[int, int, int, int, int], dtype_name: str, num_tokens: int) -> str:
+def shape_key(shape: Tuple[int, int, int, int, int], dtype_name: str, num_tokens: int, ring: bool = True) -> str:
+    """Cache key; ``ring``: tuned with the Gluon W13 available (a config tuned without it is not
+    read back where it runs, and the other way round)."""
     E, k, K, N, G = shape
-    return f"E{E}_k{k}_K{K}_N{N}_G{G}_{dtype_name}_M{num_tokens}"
+    return f"E{E}_k{k}_K{K}_N{N}_G{G}_{dtype_name}_M{num_tokens}" + ("" if ring else "_tl")
 
 
 _tuned: Dict[str, GroupedConfig] = {}
@@ -155,13 +164,16 @@ def store_tuned(path: Path, key: str, config: GroupedConfig) -> None:
     tmp.replace(path)
 
 
-def grouped_config(shape: Tuple[int, int, int, int, int], dtype_name: str, num_tokens: int) -> GroupedConfig:
-    """The launch config for one shape and token count: tuned, then table, then default."""
-    tuned = _tuned.get(shape_key(shape, dtype_name, num_tokens))
+def grouped_config(shape: Tuple[int, int, int, int, int], dtype_name: str, num_tokens: int,
+                   ring: bool = True) -> GroupedConfig:
+    """The launch config for one shape and token count: tuned, then table, then default.
+    ``ring``: whether the Gluon W13 runs (grouped.ring_available); if not, the tl W13's table."""
+    tuned = _tuned.get(shape_key(shape, dtype_name, num_tokens, ring))
+    table = _QWEN38_TP4_GROUPED if ring else _QWEN38_TP4_GROUPED_TL
     if tuned is not None:
         config = tuned
-    elif shape == QWEN38_TP4_SHAPE and num_tokens in _QWEN38_TP4_GROUPED:
-        config = _QWEN38_TP4_GROUPED[num_tokens]
+    elif shape == QWEN38_TP4_SHAPE and num_tokens in table:
+        config = table[num_tokens]
     else:
         config = GroupedConfig()
     return config.fitted(shape[2])
@@ -183,8 +195,9 @@ def dense_config(shape: Tuple[int, int, int, int, int], num_tokens: int) -> Dens
 def grouped_candidates(capability: Tuple[int, int], ring: bool) -> Tuple[GroupedConfig, ...]:
     """The small search space of the opt-in autotune (and of `bench --sweep`) on a GPU of
     compute ``capability`` (the register cap only where it applies: w2_compile_options); with
-    ``ring`` (the Gluon W13 runs there), W13 splits that tile 2560 and ring depths 2 and 4 (the
-    range that won in explorations run 25), else the tl W13's splits."""
+    ``ring`` (the Gluon W13 runs there), W13 splits of 128 / 256 / 512 rows (they tile qwen3.8's
+    K = 2560; elsewhere the last split masks its chunks past K) and ring depths 2 and 4 (the range
+    that won in explorations run 25), else the tl W13's splits."""
     caps = (0, 128) if GroupedConfig(w2_max_registers=128).w2_compile_options(capability) else (0,)
     w13 = ([(rows, stages) for rows in (128, 256, 512) for stages in (2, 4)] if ring
            else [(rows, 0) for rows in (128, 192, 256, 384, 512)])
@@ -197,5 +210,5 @@ def grouped_candidates(capability: Tuple[int, int], ring: bool) -> Tuple[Grouped
     )
 
 
-def tuned_config(shape, dtype_name: str, num_tokens: int) -> Optional[GroupedConfig]:
-    return _tuned.get(shape_key(shape, dtype_name, num_tokens))
+def tuned_config(shape, dtype_name: str, num_tokens: int, ring: bool = True) -> Optional[GroupedConfig]:
+    return _tuned.get(shape_key(shape, dtype_name, num_tokens, ring))

@@ -2,17 +2,19 @@
 
 Launches (no host sync; every grid is sized by the static R = M * k rows)::
 
-    topk_ids, x ──> [W13] program 0: sort rows by (expert, row) -> compaction,
-                    │     zero the combine counters
+    topk_ids, x ──> [W13] program 0: zero the combine counters (tl W13: and sort
+                    │     rows by (expert, row) -> compaction)
                     │     programs (row, K-split, tile): W13[topk_ids[row]] tile
                     │     -> float32 partials[s, row, 2N]
-                    ▼
+                    ▼     (the Gluon W13, w13_ring.py, where it runs: same programs)
                   [W2]  programs (row, column tile): weight loads first (PDL:
                           while W13 finishes), then act = silu(gate) * up from
                           the partials summed in split order, then -> float32
                           row_outputs[row]; the last of a token's k programs on
                           a tile (int32 arrival counter) writes
                           out[t, tile] = sum_j topk_weights[t, j] * row_outputs[t*k + j]
+                        with the Gluon W13: one more grid row, whose tile-0
+                          program writes the compaction
 
 1. W13: every program but 0 takes one (routed row, K-split, 64-column tile) on
    tensor cores (``awq_mma``: AutoAWQ nibbles dequantized straight into mma
@@ -48,6 +50,7 @@ import triton.language as tl
 
 from .awq_mma import CHUNK_ROWS, TILE_WORDS, awq_mma_chunk, chunk_columns, chunk_lanes, chunk_rows
 from . import MIN_CUDA_CAPABILITY, cuda_capability
+from .. import env
 from . import w13_ring
 from .awq_tiles import silu_mul
 from .combine import combine_rows, combine_tile
@@ -279,9 +282,10 @@ def launched_stages(config: GroupedConfig) -> Tuple[str, ...]:
 
 
 def ring_available(capability: Tuple[int, int]) -> bool:
-    """Whether the Gluon W13 (w13_ring.py) can run: Gluon present and compiling for a GPU of
-    ``capability`` (not under the interpreter, capability (0, 0))."""
-    return w13_ring.AVAILABLE and capability != (0, 0)
+    """Whether the Gluon W13 (w13_ring.py) runs: Gluon present, compiling for a GPU of
+    ``capability`` (not under the interpreter, capability (0, 0)), and not switched off
+    (VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0). Every launch path asks this, through uses_w13_ring."""
+    return w13_ring.AVAILABLE and capability != (0, 0) and env.gluon_w13_enabled()
 
 
 def uses_w13_ring(config: GroupedConfig, capability: Tuple[int, int]) -> bool:

@@ -8,7 +8,6 @@ compiles every kernel variant (and, opt-in, autotunes) before CUDA-graph capture
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -38,14 +37,13 @@ def launch_grouped(hidden_states, topk_weights, topk_ids, w13_qweight, w13_scale
                     w2_qweight, w2_scales, w2_qzeros, group_size, workspace, out, config=None):
     """Launch the grouped decode into ``out`` (no checks, no allocation); ``config`` overrides
     the table/tuned launch config (benchmarks and the tuner use this)."""
-    from ..kernels import configs, grouped
+    from ..kernels import configs, cuda_capability, grouped
 
     M, K = hidden_states.shape
     shape = _shape(hidden_states, topk_ids, w13_qweight, w2_qweight, group_size)
     if config is None:
-        config = configs.grouped_config(shape, _DTYPE_NAMES[hidden_states.dtype], M)
-    if config.w13_ring_stages and not env.gluon_w13_enabled():
-        config = dataclasses.replace(config, w13_ring_stages=0)
+        ring = grouped.ring_available(cuda_capability(hidden_states.device))
+        config = configs.grouped_config(shape, _DTYPE_NAMES[hidden_states.dtype], M, ring)
     views = workspace_views(workspace, M * shape[1], K, shape[3])
     grouped.grouped_decode(
         hidden_states, topk_weights.contiguous(), topk_ids.contiguous(),
@@ -144,20 +142,20 @@ def _tune_grouped(hidden_states, topk_weights, weights: Sequence[torch.Tensor], 
     shape = _shape(hidden_states, topk_weights, weights[0], weights[3], group_size)
     dtype_name = _DTYPE_NAMES[hidden_states.dtype]
     path = configs.cache_path(torch.cuda.get_device_name(), triton.__version__)
-    if configs.tuned_config(shape, dtype_name, num_tokens) is not None:
+    capability = cuda_capability(hidden_states.device)
+    ring = grouped.ring_available(capability)
+    if configs.tuned_config(shape, dtype_name, num_tokens, ring) is not None:
         return
     gen = torch.Generator(device=hidden_states.device).manual_seed(1234)
     routings = [_random_routing(num_tokens, top_k, E, hidden_states.device, gen) for _ in range(16)]
     args = (hidden_states[:num_tokens], topk_weights[:num_tokens], None, *weights, group_size)
     best, best_us = None, float("inf")
-    capability = cuda_capability(hidden_states.device)
-    ring = grouped.ring_available(capability) and env.gluon_w13_enabled()
     for candidate in configs.grouped_candidates(capability, ring):
         us = _time_grouped(args, workspace, candidate.fitted(shape[2]), routings)
         if us < best_us:
             best, best_us = candidate, us
     log.info("moe_grouped_decode: tuned %s M=%d -> %s (%.2f us)", shape, num_tokens, best, best_us)
-    configs.store_tuned(path, configs.shape_key(shape, dtype_name, num_tokens), best)
+    configs.store_tuned(path, configs.shape_key(shape, dtype_name, num_tokens, ring), best)
 
 
 def warmup(
