@@ -18,6 +18,8 @@ from moe_grouped_decode.ops import alloc_workspace
 from moe_grouped_decode.ops.cuda import launch_grouped
 
 M = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+if not 1 <= M <= 8:
+    sys.exit(f"ncu_probe: M = {M}; the workspace here holds 1..8 tokens")
 E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
 layer = synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000, device="cuda")
 ids, tws, xs = random_layer_inputs(M, k, E, K, 1, torch.float16, "cuda", torch.Generator().manual_seed(0))
