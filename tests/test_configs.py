@@ -97,3 +97,23 @@ def test_corrupt_cache_file_is_ignored(tmp_path, monkeypatch):
     path.write_text("{not json")
     configs.load_tuned(path)
     assert configs._tuned == {}
+
+
+@pytest.mark.parametrize("capability, warps, stages, switch, expected", [
+    ((9, 0), 1, 4, None, True),  # a Hopper GPU, the default config: the Gluon W13
+    ((8, 0), 1, 2, None, True),  # Ampere as well (cp.async is sm_80; CI compiles it for sm_80)
+    ((0, 0), 1, 4, None, False),  # the interpreter (CPU CI): Gluon cannot run there
+    ((9, 0), 2, 4, None, False),  # 2-warp W13 programs: only the tl kernel has them
+    ((9, 0), 1, 0, None, False),  # a config without a ring
+    ((9, 0), 1, 4, "0", False),  # the rollback switch
+])
+def test_which_w13_kernel_runs(monkeypatch, capability, warps, stages, switch, expected):
+    from moe_grouped_decode.env import GLUON_W13_ENV
+    from moe_grouped_decode.kernels import grouped, w13_ring
+
+    assert w13_ring.AVAILABLE  # CI's Triton has Gluon: otherwise every case below would say False
+    if switch is None:
+        monkeypatch.delenv(GLUON_W13_ENV, raising=False)
+    else:
+        monkeypatch.setenv(GLUON_W13_ENV, switch)
+    assert grouped.uses_w13_ring(GroupedConfig(w13_warps=warps, w13_ring_stages=stages), capability) is expected

@@ -136,12 +136,14 @@ def _constraints(split_x: bool) -> str:
     return ",".join(["=f"] * 16 + ["r"] * (8 + 4 + (4 if split_x else 0) + 4 + 8))
 
 
-_ASM_F16 = tl.constexpr(_chunk_asm(False, False))
-_ASM_F16_SPLIT = tl.constexpr(_chunk_asm(False, True))
-_ASM_BF16 = tl.constexpr(_chunk_asm(True, False))
-_ASM_BF16_SPLIT = tl.constexpr(_chunk_asm(True, True))
-_CONSTRAINTS = tl.constexpr(_constraints(False))
-_CONSTRAINTS_SPLIT = tl.constexpr(_constraints(True))
+# One chunk's PTX and operand constraints, per dtype and activation split; awq_mma_chunk and the
+# Gluon W13 (w13_ring.py) both issue them.
+CHUNK_PTX_F16 = tl.constexpr(_chunk_asm(False, False))
+CHUNK_PTX_F16_SPLIT_X = tl.constexpr(_chunk_asm(False, True))
+CHUNK_PTX_BF16 = tl.constexpr(_chunk_asm(True, False))
+CHUNK_PTX_BF16_SPLIT_X = tl.constexpr(_chunk_asm(True, True))
+CHUNK_CONSTRAINTS = tl.constexpr(_constraints(False))
+CHUNK_CONSTRAINTS_SPLIT_X = tl.constexpr(_constraints(True))
 
 
 @triton.jit
@@ -177,17 +179,19 @@ def awq_mma_chunk(words, x_hi, x_lo, scales, zeros, IS_BF16: tl.constexpr, SPLIT
     if _INLINE_PTX:
         if SPLIT_X:
             if IS_BF16:
-                return tl.inline_asm_elementwise(_ASM_BF16_SPLIT, _CONSTRAINTS_SPLIT, [words, x_hi, x_lo, scales, zeros],
+                return tl.inline_asm_elementwise(CHUNK_PTX_BF16_SPLIT_X, CHUNK_CONSTRAINTS_SPLIT_X,
+                                                 [words, x_hi, x_lo, scales, zeros],
                                                  dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
             else:
-                return tl.inline_asm_elementwise(_ASM_F16_SPLIT, _CONSTRAINTS_SPLIT, [words, x_hi, x_lo, scales, zeros],
+                return tl.inline_asm_elementwise(CHUNK_PTX_F16_SPLIT_X, CHUNK_CONSTRAINTS_SPLIT_X,
+                                                 [words, x_hi, x_lo, scales, zeros],
                                                  dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
         else:
             if IS_BF16:
-                return tl.inline_asm_elementwise(_ASM_BF16, _CONSTRAINTS, [words, x_hi, scales, zeros],
+                return tl.inline_asm_elementwise(CHUNK_PTX_BF16, CHUNK_CONSTRAINTS, [words, x_hi, scales, zeros],
                                                  dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
             else:
-                return tl.inline_asm_elementwise(_ASM_F16, _CONSTRAINTS, [words, x_hi, scales, zeros],
+                return tl.inline_asm_elementwise(CHUNK_PTX_F16, CHUNK_CONSTRAINTS, [words, x_hi, scales, zeros],
                                                  dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
     else:
         x = x_hi.to(tl.float32)

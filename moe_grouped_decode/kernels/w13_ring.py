@@ -32,7 +32,7 @@ try:
 except ImportError:  # a Triton without Gluon: the tl kernel serves every config
     AVAILABLE = False
 
-from .awq_mma import _ASM_BF16, _ASM_F16, _CONSTRAINTS
+from .awq_mma import CHUNK_PTX_BF16, CHUNK_PTX_F16, CHUNK_CONSTRAINTS
 
 if AVAILABLE:
 
@@ -152,10 +152,12 @@ if AVAILABLE:
                         mask=(k_first + (c + STAGES) * 32 + chunk_row < K) & (w >= 0))
             async_copy.commit_group()
             if IS_BF16:
-                d_lo, d_hi = gl.inline_asm_elementwise(_ASM_BF16, _CONSTRAINTS, [words, x, scales, zeros],
+                d_lo, d_hi = gl.inline_asm_elementwise(CHUNK_PTX_BF16, CHUNK_CONSTRAINTS,
+                                                       [words, x, scales, zeros],
                                                        dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
             else:
-                d_lo, d_hi = gl.inline_asm_elementwise(_ASM_F16, _CONSTRAINTS, [words, x, scales, zeros],
+                d_lo, d_hi = gl.inline_asm_elementwise(CHUNK_PTX_F16, CHUNK_CONSTRAINTS,
+                                                       [words, x, scales, zeros],
                                                        dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
             acc_lo += d_lo
             acc_hi += d_hi
