@@ -49,9 +49,8 @@ import triton
 import triton.language as tl
 
 from .awq_mma import CHUNK_ROWS, TILE_WORDS, awq_mma_chunk, chunk_columns, chunk_lanes, chunk_rows
-from . import MIN_CUDA_CAPABILITY, cuda_capability
 from .. import env
-from . import w13_ring
+from . import MIN_CUDA_CAPABILITY, cuda_capability, w13_ring
 from .awq_tiles import silu_mul
 from .combine import combine_rows, combine_tile
 from .configs import GroupedConfig
