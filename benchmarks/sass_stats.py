@@ -124,61 +124,80 @@ def stats(name, kernel, weights_per_program, dump=None, grid=None):
 PTR16 = {"x_ptr": "*fp16", "ids_ptr": "*i32", "qweight_ptr": "*i32", "scales_ptr": "*fp16", "qzeros_ptr": "*i32",
          "sorted_rows_ptr": "*i32", "sorted_experts_ptr": "*i32", "active_experts_ptr": "*i32",
          "segment_offsets_ptr": "*i32", "live_count_ptr": "*i32", "arrivals_ptr": "*i32",
-         "topk_weights_ptr": "*fp32", "out_ptr": "*fp16"}
+         "topk_weights_ptr": "*fp32", "out_ptr": "*fp16", "timeline_ptr": "*i64"}
+
+
+def launched_kernels(dtype, M, timeline=False):
+    """Compile, for TARGET, the kernels one grouped call at the qwen3.8-tp4 shape launches for
+    ``dtype`` and M (the table's config), and the tl W13 at the same split with program 0's sort
+    and counter zeroing cut down to nothing (the tile programs' own count). Yields (name, kernel,
+    weights per program, grid or None, warps, whether its fragment layouts are Triton's to check);
+    ``timeline``: with the per-program timestamps compiled in (kernels/timeline.py)."""
+    K, N, G, k = c.hidden_size, c.intermediate_size, c.group_size, c.top_k
+    capability = divmod(TARGET.arch, 10)
+    config = configs.grouped_config(QWEN38_TP4_SHAPE, dtype, M, grouped.ring_available(capability))
+    use_pdl = config.pdl and TARGET.arch >= 90  # as kernels.pdl.pdl_supported decides at launch
+    pointers = dict(PTR16, **{name: f"*{dtype}" for name in ("x_ptr", "scales_ptr", "out_ptr")})
+    rows = M * k
+    w2_tiles = -(-K // config.w2_block_k)
+    arrivals = M * w2_tiles if config.fused_combine else 0
+    w13_consts = dict(TOP_K=k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps,
+                      SPLITS=config.w13_splits(K), IS_BF16=dtype == "bf16", USE_PDL=use_pdl, TIMELINE=timeline)
+    w13_ints = dict(stride_xm=K, rows=rows, num_arrivals=arrivals)
+    w13_weights = config.w13_block_k * 64
+    w13_grid = 1 + rows * config.w13_splits(K) * (2 * N // 8 // grouped.TILE_WORDS.value)
+    arrivals_pad = grouped._next_pow2(arrivals) if arrivals else 0
+    ring = grouped.uses_w13_ring(config, capability)
+    if ring:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        w13 = compile_kernel(w13_ring.w13_ring_kernel, dict(
+            TOP_K=k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks,
+            CHUNKS_PAD=grouped._next_pow2(config.w13_chunks), SPLITS=config.w13_splits(K),
+            STAGES=config.w13_ring_stages, ARRIVALS_PAD=arrivals_pad, IS_BF16=dtype == "bf16", USE_PDL=use_pdl,
+            TIMELINE=timeline), pointers, 1, w13_ints, source=GluonASTSource)
+        # its fragment layout is written out in Gluon, not chosen by Triton: nothing to check
+        yield f"M={M} {dtype} w13", w13, w13_weights, w13_grid, 1, False
+    else:
+        w13 = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=max(16, grouped._next_pow2(rows)),
+                                                       ARRIVALS_PAD=arrivals_pad),
+                             pointers, config.w13_warps, w13_ints)
+        yield f"M={M} {dtype} w13", w13, w13_weights, w13_grid, config.w13_warps, True
+    w13_tile = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=16, ARRIVALS_PAD=0), pointers,
+                              config.w13_warps, w13_ints)
+    yield f"M={M} {dtype} w13-tl-tile-path", w13_tile, w13_weights, None, config.w13_warps, True
+    w2 = compile_kernel(grouped._w2_rows_kernel, dict(
+        K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, N_PAD=grouped._next_pow2(N),
+        TOP_K=k, IS_BF16=dtype == "bf16", FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
+        COMPACT=ring, R_PAD=max(16, grouped._next_pow2(rows)), TIMELINE=timeline), pointers,
+        config.w2_warps, dict(rows=rows, stride_om=K), config.w2_compile_options(capability))
+    yield f"M={M} {dtype} w2", w2, N * config.w2_block_k, (rows + int(ring)) * w2_tiles, config.w2_warps, True
+
+
+def timer_reads(kernel) -> int:
+    """How many times the SASS reads the GPU's global timer (kernels/timeline.py's stamps)."""
+    return len(re.findall(r"SR_GLOBALTIMER(?:LO)?\b", cuobjdump(kernel, "-sass")))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--dump", default="")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (80: the kernels' minimum)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="instead: M = 8 fp16 with the timestamps compiled in, and the timer reads per kernel")
     args = parser.parse_args(argv)
     global TARGET
     TARGET = GPUTarget("cuda", args.arch, 32)
-    K, N, G, k = c.hidden_size, c.intermediate_size, c.group_size, c.top_k
+    if args.timeline:
+        for timeline in (False, True):
+            for name, kernel, *_ in launched_kernels("fp16", 8, timeline):
+                print(f"{name} timeline={timeline}: timer reads={timer_reads(kernel)}", flush=True)
+        return 0
     for dtype, M in (("fp16", 2), ("fp16", 8), ("bf16", 8)):  # bf16: its own PTX (magic numbers, mma kind)
-        config = configs.grouped_config(QWEN38_TP4_SHAPE, dtype, M, grouped.ring_available(divmod(args.arch, 10)))
-        use_pdl = config.pdl and args.arch >= 90  # as kernels.pdl.pdl_supported decides at launch
-        pointers = dict(PTR16, **{name: f"*{dtype}" for name in ("x_ptr", "scales_ptr", "out_ptr")})
-        rows = M * k
-        w2_tiles = -(-K // config.w2_block_k)
-        arrivals = M * w2_tiles if config.fused_combine else 0
-        w13_consts = dict(TOP_K=k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps,
-                          SPLITS=config.w13_splits(K), IS_BF16=dtype == "bf16", USE_PDL=use_pdl)
-        w13_ints = dict(stride_xm=K, rows=rows, num_arrivals=arrivals)
-        w13_weights = config.w13_block_k * 64
-        w13_grid = 1 + rows * config.w13_splits(K) * (2 * N // 8 // grouped.TILE_WORDS.value)
-        arrivals_pad = grouped._next_pow2(arrivals) if arrivals else 0
-        ring = grouped.uses_w13_ring(config, divmod(args.arch, 10))
-        # as launched at this M: registers and spills of the kernel that runs
-        if ring:
-            from triton.experimental.gluon._runtime import GluonASTSource
-
-            w13 = compile_kernel(w13_ring.w13_ring_kernel, dict(
-                TOP_K=k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks,
-                CHUNKS_PAD=grouped._next_pow2(config.w13_chunks), SPLITS=config.w13_splits(K),
-                STAGES=config.w13_ring_stages, ARRIVALS_PAD=arrivals_pad, IS_BF16=dtype == "bf16", USE_PDL=use_pdl),
-                pointers, 1, w13_ints, source=GluonASTSource)
-            # its fragment layout is written out in Gluon, not chosen by Triton: nothing to check
-            stats(f"M={M} {dtype} w13", w13, w13_weights, args.dump, w13_grid)
-        else:
-            w13 = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=max(16, grouped._next_pow2(rows)),
-                                                           ARRIVALS_PAD=arrivals_pad),
-                                 pointers, config.w13_warps, w13_ints)
-            stats(f"M={M} {dtype} w13", w13, w13_weights, args.dump, w13_grid)
-            check_fragment_layouts(f"M={M} {dtype} w13", w13, config.w13_warps)
-        # the tl kernel at the same split, program 0's sort and counter zeroing cut down to nothing:
-        # the tile programs' own count
-        w13_tile = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=16, ARRIVALS_PAD=0), pointers,
-                                  config.w13_warps, w13_ints)
-        stats(f"M={M} {dtype} w13-tl-tile-path", w13_tile, w13_weights, args.dump)
-        check_fragment_layouts(f"M={M} {dtype} w13-tl-tile-path", w13_tile, config.w13_warps)
-        w2 = compile_kernel(grouped._w2_rows_kernel, dict(
-            K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, N_PAD=grouped._next_pow2(N),
-            TOP_K=k, IS_BF16=dtype == "bf16", FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
-            COMPACT=ring, R_PAD=max(16, grouped._next_pow2(rows))), pointers,
-            config.w2_warps, dict(rows=rows, stride_om=K), config.w2_compile_options(divmod(args.arch, 10)))
-        stats(f"M={M} {dtype} w2", w2, N * config.w2_block_k, args.dump, (rows + int(ring)) * w2_tiles)
-        check_fragment_layouts(f"M={M} {dtype} w2", w2, config.w2_warps)
+        for name, kernel, weights, grid, warps, tl_layouts in launched_kernels(dtype, M):
+            stats(name, kernel, weights, args.dump, grid)
+            if tl_layouts:
+                check_fragment_layouts(name, kernel, warps)
     return 0
 
 

@@ -2,18 +2,19 @@
 # The one device script: GPU tests, benchmark (+ optional config sweep), single-GPU TP4 check.
 # Installs nothing. Writes logs/JSON/Markdown/PNG under $OUT (default artifacts/gpu_check)
 # and prints a short table last.
-#   scripts/gpu_check.sh [--sweep 2,4,8] [--breakdown 2,8] [--variants 2,8] [--skip-tests] [--skip-bench]
+#   scripts/gpu_check.sh [--sweep 2,4,8] [--breakdown 2,8] [--variants 2,8] [--timeline 2,4,8] [--skip-tests] [--skip-bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-artifacts/gpu_check}
 mkdir -p "$OUT"
-SWEEP=""; BREAKDOWN=""; VARIANTS=""; TESTS=1; BENCH=1
+SWEEP=""; BREAKDOWN=""; VARIANTS=""; TIMELINE=""; TESTS=1; BENCH=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --sweep) SWEEP="$2"; shift 2 ;;
     --breakdown) BREAKDOWN="$2"; shift 2 ;;
     --variants) VARIANTS="$2"; shift 2 ;;
+    --timeline) TIMELINE="$2"; shift 2 ;;
     --skip-tests) TESTS=0; shift ;;
     --skip-bench) BENCH=0; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
@@ -29,6 +30,9 @@ fi
 [ "$BENCH" = 0 ] || timeout 220 python3 -m moe_grouped_decode bench --out "$OUT" ${SWEEP:+--sweep "$SWEEP"} ${BREAKDOWN:+--breakdown "$BREAKDOWN"} || status=1
 if [ -n "$VARIANTS" ]; then
   timeout 150 python3 benchmarks/launch_variants.py all "$VARIANTS" | tee "$OUT/launch_variants.md" || status=1
+fi
+if [ -n "$TIMELINE" ]; then
+  timeout 120 python3 benchmarks/timeline.py "$TIMELINE" --out "$OUT/timeline.md" || status=1
 fi
 # the opt-in autotune path, end to end, for one token count (cache in a scratch dir)
 MOE_GROUPED_DECODE_CACHE=/tmp/moe_gd_tune VLLM_AWQ_MOE_GROUPED_DECODE_TUNE=1 timeout 90 python3 - <<'PY' || status=1

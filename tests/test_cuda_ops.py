@@ -314,3 +314,47 @@ def test_gluon_switch_off_runs_the_tl_w13(layer, workspace, monkeypatch):
     ids, tw = routing("random", 8, gen)
     out = run_grouped(x, tw, ids, weights, workspace)
     assert_close(f"grouped {weights.dtype} M=8 tl W13 (switch off)", out, x, tw, ids, cpu_weights)
+
+
+@pytest.mark.parametrize("stages", [
+    0,  # the tl W13 (what runs without Gluon): its stamps, and program 0's sort
+    pytest.param(4, marks=pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")),  # the Gluon W13
+])
+def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages, monkeypatch):
+    """benchmarks/timeline.py's stamps (kernels/timeline.py): the op gives the same bits with them,
+    every program stamps every point, in order, and no W2 program gets past the PDL wait before the
+    last W13 program has stamped its end. A wrongly sized timeline is refused."""
+    import dataclasses
+
+    from moe_grouped_decode.kernels import configs, grouped
+    from moe_grouped_decode.kernels.timeline import Timeline
+
+    monkeypatch.delenv(GLUON_W13_ENV, raising=False)
+    weights, _ = layer
+    M = 8
+    gen = torch.Generator().manual_seed(23)
+    x = activations(M, weights.dtype, gen)
+    ids, tw = routing("random", M, gen)
+    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[weights.dtype]
+    config = dataclasses.replace(configs.grouped_config((E, TOP_K, K, N, G), dtype_name, M), w13_ring_stages=stages)
+    views = workspace_views(workspace, M * TOP_K, K, N)
+    outs = []
+    for timeline in (None, grouped.alloc_timeline(M, TOP_K, K, N, config, x.device)):
+        out = torch.full_like(x, float("nan"))
+        workspace.fill_(-1)
+        grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, out, config, timeline=timeline)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert not torch.isnan(outs[0]).any()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    w13, w2 = timeline.w13.cpu(), timeline.w2.cpu()
+    rows = M * TOP_K
+    assert (w13 > 0).all() and (w13[:, 1] >= w13[:, 0]).all()
+    tiles = w2[:rows]  # the (row, tile) programs; a further row is the compaction's (Gluon W13)
+    assert (tiles > 0).all() and (tiles.diff(dim=-1) >= 0).all()
+    assert tiles[..., 1].min() >= w13[:, 1].max(), "a W2 program passed the wait before W13 ended"
+    if w2.shape[0] > rows:
+        assert (w2[rows, :, 0] > 0).all() and (w2[rows, :, 4] >= w2[rows, :, 0]).all()
+    wrong = Timeline(timeline.w13[1:], timeline.w2)
+    with pytest.raises(ValueError, match="not sized"):
+        grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, outs[0], config, timeline=wrong)

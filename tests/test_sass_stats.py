@@ -61,3 +61,23 @@ def _sass_stats_module():
 ])
 def test_programs_per_sm(registers, warps, shared, programs):
     assert _sass_stats_module().programs_per_sm(registers, warps, shared, 90) == programs
+
+
+def test_timeline_stamps_compile_out():
+    """The per-program timestamps (kernels/timeline.py) cost nothing unless asked for: without
+    TIMELINE no kernel reads the GPU's timer (so the counts above are the op's own), with it
+    every W13 program stamps its start and end and every W2 program its five points (two
+    paths may share their last read)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_stats.py"), "--timeline"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reads = {tuple(m.group(1, 2)): int(m.group(3))
+             for m in re.finditer(r"^M=8 fp16 (\S+) timeline=(\w+): timer reads=(\d+)$", result.stdout, re.M)}
+    assert set(reads) == {(kernel, flag) for kernel in ("w13", "w13-tl-tile-path", "w2") for flag in ("False", "True")}, \
+        result.stdout
+    for kernel in ("w13", "w13-tl-tile-path", "w2"):
+        assert reads[kernel, "False"] == 0, result.stdout
+    assert reads["w13", "True"] >= 2 and reads["w13-tl-tile-path", "True"] >= 2, result.stdout
+    assert reads["w2", "True"] >= 5, result.stdout

@@ -42,7 +42,7 @@ are bit-identical across runs and batch positions.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -55,6 +55,7 @@ from .awq_tiles import silu_mul
 from .combine import combine_rows, combine_tile
 from .configs import GroupedConfig
 from .pdl import launch_options, let_next_launch_start, pdl_supported, wait_for_previous_launch
+from .timeline import W2_STAMPS, W13_STAMPS, Timeline, now
 
 _PAD_KEY = tl.constexpr(1 << 62)  # sort key of padding rows: past every (expert, row) key
 
@@ -104,6 +105,7 @@ def _w13_kernel(
     TOP_K: tl.constexpr, K: tl.constexpr, TWO_N: tl.constexpr, G: tl.constexpr,
     CHUNKS: tl.constexpr, WARPS: tl.constexpr, SPLITS: tl.constexpr, R_PAD: tl.constexpr,
     ARRIVALS_PAD: tl.constexpr, IS_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+    timeline_ptr, TIMELINE: tl.constexpr,
 ):
     """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols].
 
@@ -115,12 +117,17 @@ def _w13_kernel(
     """
     let_next_launch_start(USE_PDL)
     pid = tl.program_id(0)
+    stamps = timeline_ptr + pid * 2  # timeline.W13_STAMPS
+    if TIMELINE:
+        tl.store(stamps, now())
     if pid == 0:
         _compact_rows(ids_ptr, rows, sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr,
                       live_count_ptr, R_PAD)
         if ARRIVALS_PAD > 0:
             a = tl.arange(0, ARRIVALS_PAD)
             tl.store(arrivals_ptr + a, tl.zeros([ARRIVALS_PAD], dtype=tl.int32), mask=a < num_arrivals)
+        if TIMELINE:
+            tl.store(stamps + 1, now())
         return
     PACKED_N: tl.constexpr = TWO_N // 8
     TILES: tl.constexpr = PACKED_N // TILE_WORDS
@@ -158,6 +165,8 @@ def _w13_kernel(
     out_base = partials_ptr + (split * rows + row) * TWO_N
     tl.store(out_base + cols, acc_lo, mask=keep)
     tl.store(out_base + cols + 4, acc_hi, mask=keep)
+    if TIMELINE:
+        tl.store(stamps + 1, now())
 
 
 @triton.jit
@@ -186,6 +195,7 @@ def _w2_rows_kernel(
     N_PAD: tl.constexpr, TOP_K: tl.constexpr,
     IS_BF16: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_PDL: tl.constexpr,
     COMPACT: tl.constexpr, R_PAD: tl.constexpr,
+    timeline_ptr, TIMELINE: tl.constexpr,
 ):
     """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32.
 
@@ -207,11 +217,16 @@ def _w2_rows_kernel(
     let_next_launch_start(USE_PDL and not FUSED_COMBINE)
     row = tl.program_id(0)
     tile = tl.program_id(1)
+    stamps = timeline_ptr + (row * tl.num_programs(1) + tile) * 5  # timeline.W2_STAMPS
+    if TIMELINE:
+        tl.store(stamps, now())
     if COMPACT:
         if row == rows:
             if tile == 0:
                 _compact_rows(ids_ptr, rows, sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr,
                               segment_offsets_ptr, live_count_ptr, R_PAD)
+            if TIMELINE:
+                tl.store(stamps + 4, now())
             return
     PACKED_K: tl.constexpr = K // 8
     CHUNKS: tl.constexpr = N // CHUNK_ROWS
@@ -233,8 +248,12 @@ def _w2_rows_kernel(
             tl.load(qzeros_base + group * PACKED_K + word, mask=word_ok, other=0),
         ),)
     wait_for_previous_launch(USE_PDL)
+    if TIMELINE:
+        tl.store(stamps + 1, now())
     _row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
     tl.debug_barrier()  # every thread's act stores happen before any thread reads them back
+    if TIMELINE:
+        tl.store(stamps + 2, now())
     acc_lo = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
     acc_hi = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
     for c in tl.static_range(CHUNKS):
@@ -249,6 +268,8 @@ def _w2_rows_kernel(
     keep = (t == 0) & (e % 2 == 0) & word_ok
     tl.store(row_out_ptr + row * K + cols, acc_lo, mask=keep)
     tl.store(row_out_ptr + row * K + cols + 4, acc_hi, mask=keep)
+    if TIMELINE:
+        tl.store(stamps + 3, now())
     if FUSED_COMBINE:
         token = row // TOP_K
         tl.debug_barrier()  # every thread's row_out stores happen before the release below
@@ -256,6 +277,8 @@ def _w2_rows_kernel(
         if arrived == TOP_K - 1:
             tile_cols = tile * (WARPS * TILE_WORDS * 8) + tl.arange(0, WARPS * TILE_WORDS * 8)
             combine_tile(row_out_ptr, topk_weights_ptr, out_ptr, stride_om, token, tile_cols, tile_cols < K, TOP_K, K)
+    if TIMELINE:
+        tl.store(stamps + 4, now())
 
 
 def _next_pow2(n: int) -> int:
@@ -305,10 +328,26 @@ def compact(topk_ids, sorted_rows, sorted_experts, active_experts, segment_offse
     )
 
 
+def _grids(rows: int, K: int, N: int, config: GroupedConfig, ring: bool) -> Tuple[int, Tuple[int, int]]:
+    """Programs of the W13 launch and the W2 launch's (rows, column tiles) grid."""
+    w13_programs = 1 + rows * config.w13_splits(K) * (2 * N // 8 // TILE_WORDS.value)
+    return w13_programs, (rows + int(ring), triton.cdiv(K, config.w2_block_k))
+
+
+def alloc_timeline(num_tokens: int, top_k: int, hidden_size: int, intermediate_size: int, config: GroupedConfig,
+                   device: torch.device) -> Timeline:
+    """Stamp buffers (kernels/timeline.py) for one grouped call of ``num_tokens`` tokens under the
+    fitted ``config``, zeroed (a program that never stamps leaves 0)."""
+    w13_programs, w2_grid = _grids(num_tokens * top_k, hidden_size, intermediate_size, config,
+                                   uses_w13_ring(config, cuda_capability(device)))
+    return Timeline(torch.zeros(w13_programs, len(W13_STAMPS), dtype=torch.int64, device=device),
+                    torch.zeros(*w2_grid, len(W2_STAMPS), dtype=torch.int64, device=device))
+
+
 def grouped_decode(
     hidden_states, topk_weights, topk_ids,
     w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size: int,
-    scratch, out, config: GroupedConfig, stages: Tuple[str, ...] = STAGES,
+    scratch, out, config: GroupedConfig, stages: Tuple[str, ...] = STAGES, timeline: Optional[Timeline] = None,
 ) -> None:
     """Launch the grouped decode into ``out`` [M, K].
 
@@ -319,7 +358,8 @@ def grouped_decode(
     [M * k, N] and ``row_outputs`` [M * k, K]. ``config`` must be ``fitted`` to the shape;
     topk_ids and topk_weights contiguous [M, k]. The tensor-core tiles need G and N in
     whole 32-row chunks (AWQ's group sizes 32, 64 and 128 are).
-    ``stages`` launches a subset, for the benchmark's per-kernel breakdown only.
+    ``stages`` launches a subset, for the benchmark's per-kernel breakdown only; ``timeline``
+    (``alloc_timeline``, on a GPU) receives per-program timestamps, for benchmarks/timeline.py only.
     """
     M, K = hidden_states.shape
     top_k = topk_ids.shape[1]
@@ -333,26 +373,33 @@ def grouped_decode(
     capability = _check_device(hidden_states.device)
     rows = M * top_k
     splits = config.w13_splits(K)
-    w2_tiles = triton.cdiv(K, config.w2_block_k)
+    ring = uses_w13_ring(config, capability)
+    w13_programs, w2_grid = _grids(rows, K, N, config, ring)
     use_pdl = config.pdl and pdl_supported(hidden_states.device)
     is_bf16 = hidden_states.dtype == torch.bfloat16
-    num_arrivals = M * w2_tiles if config.fused_combine else 0
+    num_arrivals = M * w2_grid[1] if config.fused_combine else 0
     if num_arrivals > scratch.combine_arrivals.numel():
         raise ValueError(f"grouped_decode: {num_arrivals} combine counters needed, the workspace holds "
                          f"{scratch.combine_arrivals.numel()}")
-    w13_grid = (1 + rows * splits * (2 * N // 8 // TILE_WORDS.value),)
-    ring = uses_w13_ring(config, capability)
+    if timeline is not None:
+        if capability == (0, 0):
+            raise ValueError("grouped_decode: the timeline reads the GPU's clock (inline PTX); it needs a GPU")
+        if timeline.w13.shape != (w13_programs, len(W13_STAMPS)) or timeline.w2.shape != (*w2_grid, len(W2_STAMPS)):
+            raise ValueError("grouped_decode: the timeline is not sized for this call and config (alloc_timeline)")
+    # without a timeline the kernels compile the stamps out; any pointer fills the argument
+    w13_stamps = timeline.w13 if timeline is not None else scratch.live_count
+    w2_stamps = timeline.w2 if timeline is not None else scratch.live_count
     if "w13" in stages and ring:
-        w13_ring.w13_ring_kernel[w13_grid](
+        w13_ring.w13_ring_kernel[(w13_programs,)](
             hidden_states, hidden_states.stride(0), topk_ids, w13_qweight, w13_scales, w13_qzeros,
-            scratch.gate_up_partials, rows, scratch.combine_arrivals, num_arrivals,
+            scratch.gate_up_partials, rows, scratch.combine_arrivals, num_arrivals, w13_stamps,
             TOP_K=top_k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, CHUNKS_PAD=_next_pow2(config.w13_chunks),
             SPLITS=splits, STAGES=config.w13_ring_stages,
             ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
-            num_warps=1,
+            TIMELINE=timeline is not None, num_warps=1,
         )
     elif "w13" in stages:
-        _w13_kernel[w13_grid](
+        _w13_kernel[(w13_programs,)](
             hidden_states, hidden_states.stride(0),
             topk_ids,
             w13_qweight, w13_scales, w13_qzeros,
@@ -363,10 +410,10 @@ def grouped_decode(
             TOP_K=top_k, K=K, TWO_N=2 * N, G=G,
             CHUNKS=config.w13_chunks, WARPS=config.w13_warps, SPLITS=splits, R_PAD=max(16, _next_pow2(rows)),
             ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
-            num_warps=config.w13_warps,
+            timeline_ptr=w13_stamps, TIMELINE=timeline is not None, num_warps=config.w13_warps,
         )
     if "w2" in stages:
-        _w2_rows_kernel[(rows + int(ring), w2_tiles)](
+        _w2_rows_kernel[w2_grid](
             topk_ids,
             scratch.gate_up_partials,
             w2_qweight, w2_scales, w2_qzeros,
@@ -377,7 +424,7 @@ def grouped_decode(
             scratch.live_count,
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=_next_pow2(N), TOP_K=top_k,
             IS_BF16=is_bf16, FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
-            COMPACT=ring, R_PAD=max(16, _next_pow2(rows)),
+            COMPACT=ring, R_PAD=max(16, _next_pow2(rows)), timeline_ptr=w2_stamps, TIMELINE=timeline is not None,
             num_warps=config.w2_warps, **launch_options(use_pdl), **config.w2_compile_options(capability),
         )
     if not config.fused_combine and "combine" in stages:

@@ -33,16 +33,17 @@ except ImportError:  # a Triton without Gluon: the tl kernel serves every config
     AVAILABLE = False
 
 from .awq_mma import CHUNK_PTX_BF16, CHUNK_PTX_F16, CHUNK_CONSTRAINTS
+from .timeline import GLOBALTIMER_PTX
 
 if AVAILABLE:
 
     @gluon.jit
     def w13_ring_kernel(
         x_ptr, stride_xm, ids_ptr, qweight_ptr, scales_ptr, qzeros_ptr, partials_ptr, rows, arrivals_ptr,
-        num_arrivals,
+        num_arrivals, timeline_ptr,
         TOP_K: gl.constexpr, K: gl.constexpr, TWO_N: gl.constexpr, G: gl.constexpr, CHUNKS: gl.constexpr,
         CHUNKS_PAD: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr, ARRIVALS_PAD: gl.constexpr,
-        IS_BF16: gl.constexpr, USE_PDL: gl.constexpr,
+        IS_BF16: gl.constexpr, USE_PDL: gl.constexpr, TIMELINE: gl.constexpr,
     ):
         """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols]
         (one warp; program 1 + (row * SPLITS + s) * TILES + tile, as grouped._w13_kernel)."""
@@ -50,11 +51,18 @@ if AVAILABLE:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
         pid = gl.program_id(0)
+        stamps = timeline_ptr + pid * 2  # timeline.W13_STAMPS
+        if TIMELINE:
+            gl.store(stamps, gl.inline_asm_elementwise(GLOBALTIMER_PTX, "=l", [], dtype=gl.int64, is_pure=False,
+                                                       pack=1))
         if pid == 0:
             if ARRIVALS_PAD > 0:
                 flat: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
                 a = gl.arange(0, ARRIVALS_PAD, layout=flat)
                 gl.store(arrivals_ptr + a, gl.zeros([ARRIVALS_PAD], gl.int32, layout=flat), mask=a < num_arrivals)
+            if TIMELINE:
+                gl.store(stamps + 1, gl.inline_asm_elementwise(GLOBALTIMER_PTX, "=l", [], dtype=gl.int64,
+                                                               is_pure=False, pack=1))
             return
         PACKED_N: gl.constexpr = TWO_N // 8
         TILES: gl.constexpr = PACKED_N // 8
@@ -167,3 +175,6 @@ if AVAILABLE:
         out_base = partials_ptr + (split * rows + row) * TWO_N
         gl.store(out_base + cols, acc_lo, mask=keep)
         gl.store(out_base + cols + 4, acc_hi, mask=keep)
+        if TIMELINE:
+            gl.store(stamps + 1, gl.inline_asm_elementwise(GLOBALTIMER_PTX, "=l", [], dtype=gl.int64, is_pure=False,
+                                                           pack=1))

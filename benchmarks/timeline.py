@@ -1,0 +1,113 @@
+"""Where a layer's microseconds go: per-program timestamps of the grouped op (kernels/timeline.py).
+
+    PYTHONPATH=. python benchmarks/timeline.py [M,M,...] [--out docs/bench/timeline.md]
+
+For each M (default 2, 4, 8): the table's config, fp16, the qwen3.8-tp4 shape, 32 layers of
+distinct weights replayed in one CUDA graph (as the benchmark times them; L2 cold), random
+routing. Every program stamps %globaltimer at fixed points (W13: start, end; W2: start, after
+the PDL wait, activations written, row output stored, end); times are us from the layer's first
+W13 program start, medians over layers 1..30 (the first and last have no neighbour on one side).
+The stamps cost a little (the "us per layer" row is with them). The timer's resolution is printed.
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from moe_grouped_decode.awq import synthetic_moe_weights
+from moe_grouped_decode.bench import random_layer_inputs
+from moe_grouped_decode.contract import QWEN38_TP4 as c
+from moe_grouped_decode.kernels import configs, cuda_capability, grouped
+from moe_grouped_decode.ops import alloc_workspace, workspace_views
+from moe_grouped_decode.ops.cuda import graph_replay_us
+
+LAYERS = 32
+E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
+
+
+def layer_points(w13, w2, next_w13, prev_w2, rows):
+    """One layer's measures, us: ``w13`` [programs, 2] and ``w2`` [grid rows, tiles, 5] stamps (ns)
+    of the layer, the next layer's W13 and the previous layer's W2 stamps."""
+    t0 = w13[:, 0].min()
+    us = lambda t: (t - t0) / 1000.0  # noqa: E731
+    w13 = w13[1:]  # program 0 only zeroes counters (and sorts, with the tl W13)
+    tiles = w2[:rows]  # the (row, tile) programs, not the compaction row
+    per_program = lambda a, b: statistics.median(((tiles[..., b] - tiles[..., a]) / 1000.0).flatten().tolist())  # noqa: E731
+    return {
+        "previous layer's last W2 end": us(prev_w2[:rows, :, 4].max()),
+        "W13: last program start": us(w13[:, 0].max()),
+        "W13: median program, start to end": statistics.median(((w13[:, 1] - w13[:, 0]) / 1000.0).tolist()),
+        "W13: last program end": us(w13[:, 1].max()),
+        "W2: first program start": us(tiles[..., 0].min()),
+        "W2: median program start": us(tiles[..., 0].median()),
+        "W2: last program start": us(tiles[..., 0].max()),
+        "W2: median pass of the PDL wait": us(tiles[..., 1].median()),
+        "W2 program: wait to activations written": per_program(1, 2),
+        "W2 program: activations to row output stored": per_program(2, 3),
+        "W2 program: row stored to end (arrival, combine)": per_program(3, 4),
+        "W2 program: start to end": per_program(0, 4),
+        "W2: last program end": us(tiles[..., 4].max()),
+        "next layer's first W13 start": us(next_w13[:, 0].min()),
+    }
+
+
+def measure(M: int, layers, workspace, gen):
+    ids, tws, xs = random_layer_inputs(M, k, E, K, LAYERS, torch.float16, "cuda", gen)
+    outs = [torch.empty_like(x) for x in xs]
+    config = configs.grouped_config((E, k, K, N, G), "fp16", M,
+                                    grouped.ring_available(cuda_capability(torch.device("cuda"))))
+    views = workspace_views(workspace, M * k, K, N)
+    timelines = [grouped.alloc_timeline(M, k, K, N, config, torch.device("cuda")) for _ in range(LAYERS)]
+
+    def step(i):
+        grouped.grouped_decode(xs[i], tws[i], ids[i], *layers[i].op_args(), views, outs[i], config,
+                               timeline=timelines[i])
+
+    us = graph_replay_us(step, LAYERS)
+    w13 = [t.w13.cpu().double() for t in timelines]
+    w2 = [t.w2.cpu().double() for t in timelines]
+    stamps = sorted(set(torch.cat([w.flatten() for w in w13[1:4]]).tolist()))
+    grain_ns = min(b - a for a, b in zip(stamps, stamps[1:]) if b > a)
+    points = [layer_points(w13[i], w2[i], w13[i + 1], w2[i - 1], M * k) for i in range(1, LAYERS - 1)]
+    medians = {name: statistics.median(float(p[name]) for p in points) for name in points[0]}
+    return us, config, grain_ns, medians
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("tokens", nargs="?", default="2,4,8")
+    parser.add_argument("--out", default="", help="also write the Markdown table here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("timeline: needs a CUDA GPU")
+    Ms = [int(m) for m in args.tokens.split(",")]
+    if not all(1 <= m <= 8 for m in Ms):
+        sys.exit(f"timeline: token counts {Ms}; the workspace here holds 1..8 tokens")
+    gen = torch.Generator().manual_seed(0)
+    workspace = alloc_workspace(8, k, K, N, "cuda")
+    layers = []
+    for i in range(LAYERS):
+        layers.append(synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000 + i, device="cuda"))
+    results = {}
+    for M in Ms:
+        results[M] = measure(M, layers, workspace, gen)
+        print(f"[timeline] M = {M}: {results[M][0]:.2f} us per layer, config {results[M][1]}", flush=True)
+    grain = max(r[2] for r in results.values())
+    lines = [f"us from the layer's first W13 program start, medians over layers 1..30 (timer resolution "
+             f"{grain:.0f} ns; `PYTHONPATH=. python benchmarks/timeline.py {args.tokens}`, "
+             f"{torch.cuda.get_device_name()})", "",
+             "| | " + " | ".join(f"M = {M}" for M in Ms) + " |", "| --- |" + " --- |" * len(Ms),
+             "| us per layer (graph replay, with the stamps) | " + " | ".join(f"{results[M][0]:.2f}" for M in Ms) + " |"]
+    for name in results[Ms[0]][3]:
+        lines.append(f"| {name} | " + " | ".join(f"{results[M][3][name]:.2f}" for M in Ms) + " |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Per-program timestamps: where a layer's microseconds go (``benchmarks/timeline.py``).
+
+With the ``TIMELINE`` constexpr (off in every launch the op makes for its callers), the
+grouped kernels store ``%globaltimer`` (nanoseconds, one clock for the whole GPU) at fixed
+points of every program, one int64 per stamp::
+
+    W13 program p (either W13 kernel):   w13[p] = (start, end)
+    W2 program (row, tile):               w2[row, tile] = (start, after the PDL wait,
+                                          activations written, row output stored, end)
+
+The W2 grid's compaction row (the Gluon W13 runs) stamps its start and end only. Timer reads
+are ordinary instructions, so a stamp can land a few instructions from where it is written;
+the timer's resolution on the H200 is 250 ns (explorations run 30), so the tool reports
+medians over layers and programs, not single stamps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+GLOBALTIMER_PTX = tl.constexpr("mov.u64 $0, %globaltimer;")
+
+W13_STAMPS = ("start", "end")
+W2_STAMPS = ("start", "after wait", "activations", "row stored", "end")
+
+
+@triton.jit
+def now():
+    """%globaltimer as an int64 scalar (not pure: every call reads the clock again)."""
+    return tl.inline_asm_elementwise(GLOBALTIMER_PTX, "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@dataclass
+class Timeline:
+    """The stamps of one grouped call: int64 ``w13`` [W13 programs, 2] and ``w2`` [W2 grid rows,
+    W2 column tiles, 5], both on the op's device (``grouped.alloc_timeline`` sizes them)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
