@@ -184,7 +184,7 @@ def main(argv=None):
     parser.add_argument("--dump", default="")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (80: the kernels' minimum)")
     parser.add_argument("--timeline", action="store_true",
-                        help="instead: M = 8 fp16 with the timestamps compiled in, and the timer reads per kernel")
+                        help="instead: the timer reads per kernel at M = 8 fp16, without and with the timestamps")
     args = parser.parse_args(argv)
     global TARGET
     TARGET = GPUTarget("cuda", args.arch, 32)

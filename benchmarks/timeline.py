@@ -7,7 +7,8 @@ distinct weights replayed in one CUDA graph (as the benchmark times them; L2 col
 routing. Every program stamps %globaltimer at fixed points (W13: start, end; W2: start, after
 the PDL wait, activations written, row output stored, end); times are us from the layer's first
 W13 program start, medians over layers 1..30 (the first and last have no neighbour on one side).
-The stamps cost a little (the "us per layer" row is with them). The timer's resolution is printed.
+The stamps cost a little (the "us per layer" row is with them). The smallest step seen between
+stamps (the timer's resolution, or finer than it) is printed.
 """
 import argparse
 import statistics
@@ -27,23 +28,27 @@ LAYERS = 32
 E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
 
 
+def _median(values) -> float:
+    return statistics.median(values.flatten().tolist())
+
+
 def layer_points(w13, w2, next_w13, prev_w2, rows):
-    """One layer's measures, us: ``w13`` [programs, 2] and ``w2`` [grid rows, tiles, 5] stamps (ns)
-    of the layer, the next layer's W13 and the previous layer's W2 stamps."""
+    """One layer's measures, us: ``w13`` [programs, 2] and ``w2`` [grid rows, tiles, 5] stamps (ns,
+    from a common base) of the layer, the next layer's W13 and the previous layer's W2 stamps."""
     t0 = w13[:, 0].min()
-    us = lambda t: (t - t0) / 1000.0  # noqa: E731
-    w13 = w13[1:]  # program 0 only zeroes counters (and sorts, with the tl W13)
+    us = lambda t: float(t - t0) / 1000.0  # noqa: E731
+    tile_programs = w13[1:]  # program 0 zeroes counters (with the tl W13: and sorts); it is in the firsts and lasts
     tiles = w2[:rows]  # the (row, tile) programs, not the compaction row
-    per_program = lambda a, b: statistics.median(((tiles[..., b] - tiles[..., a]) / 1000.0).flatten().tolist())  # noqa: E731
+    per_program = lambda a, b: _median(tiles[..., b] - tiles[..., a]) / 1000.0  # noqa: E731
     return {
         "previous layer's last W2 end": us(prev_w2[:rows, :, 4].max()),
         "W13: last program start": us(w13[:, 0].max()),
-        "W13: median program, start to end": statistics.median(((w13[:, 1] - w13[:, 0]) / 1000.0).tolist()),
+        "W13: median tile program, start to end": _median(tile_programs[:, 1] - tile_programs[:, 0]) / 1000.0,
         "W13: last program end": us(w13[:, 1].max()),
         "W2: first program start": us(tiles[..., 0].min()),
-        "W2: median program start": us(tiles[..., 0].median()),
+        "W2: median program start": us(t0 + _median(tiles[..., 0])),
         "W2: last program start": us(tiles[..., 0].max()),
-        "W2: median pass of the PDL wait": us(tiles[..., 1].median()),
+        "W2: median pass of the PDL wait": us(t0 + _median(tiles[..., 1])),
         "W2 program: wait to activations written": per_program(1, 2),
         "W2 program: activations to row output stored": per_program(2, 3),
         "W2 program: row stored to end (arrival, combine)": per_program(3, 4),
@@ -66,8 +71,10 @@ def measure(M: int, layers, workspace, gen):
                                timeline=timelines[i])
 
     us = graph_replay_us(step, LAYERS)
-    w13 = [t.w13.cpu().double() for t in timelines]
-    w2 = [t.w2.cpu().double() for t in timelines]
+    # the stamps are ns since 1970 (~2^61): from a common base first, so doubles hold them exactly
+    base = min(t.w13[:, 0].min().item() for t in timelines)
+    w13 = [(t.w13 - base).cpu().double() for t in timelines]
+    w2 = [(t.w2 - base).cpu().double() for t in timelines]
     stamps = sorted(set(torch.cat([w.flatten() for w in w13[1:4]]).tolist()))
     grain_ns = min(b - a for a, b in zip(stamps, stamps[1:]) if b > a)
     points = [layer_points(w13[i], w2[i], w13[i + 1], w2[i - 1], M * k) for i in range(1, LAYERS - 1)]
@@ -94,9 +101,9 @@ def main(argv=None) -> int:
     for M in Ms:
         results[M] = measure(M, layers, workspace, gen)
         print(f"[timeline] M = {M}: {results[M][0]:.2f} us per layer, config {results[M][1]}", flush=True)
-    grain = max(r[2] for r in results.values())
-    lines = [f"us from the layer's first W13 program start, medians over layers 1..30 (timer resolution "
-             f"{grain:.0f} ns; `PYTHONPATH=. python benchmarks/timeline.py {args.tokens}`, "
+    grain = min(r[2] for r in results.values())
+    lines = [f"us from the layer's first W13 program start, medians over layers 1..30 (smallest step between "
+             f"stamps {grain:.0f} ns; `PYTHONPATH=. python benchmarks/timeline.py {args.tokens}`, "
              f"{torch.cuda.get_device_name()})", "",
              "| | " + " | ".join(f"M = {M}" for M in Ms) + " |", "| --- |" + " --- |" * len(Ms),
              "| us per layer (graph replay, with the stamps) | " + " | ".join(f"{results[M][0]:.2f}" for M in Ms) + " |"]

@@ -326,7 +326,7 @@ def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages,
     last W13 program has stamped its end. A wrongly sized timeline is refused."""
     import dataclasses
 
-    from moe_grouped_decode.kernels import configs, grouped
+    from moe_grouped_decode.kernels import configs, cuda_capability, grouped
     from moe_grouped_decode.kernels.timeline import Timeline
 
     monkeypatch.delenv(GLUON_W13_ENV, raising=False)
@@ -337,6 +337,7 @@ def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages,
     ids, tw = routing("random", M, gen)
     dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[weights.dtype]
     config = dataclasses.replace(configs.grouped_config((E, TOP_K, K, N, G), dtype_name, M), w13_ring_stages=stages)
+    assert grouped.uses_w13_ring(config, cuda_capability(x.device)) == (stages > 0)
     views = workspace_views(workspace, M * TOP_K, K, N)
     outs = []
     for timeline in (None, grouped.alloc_timeline(M, TOP_K, K, N, config, x.device)):
@@ -353,8 +354,12 @@ def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages,
     tiles = w2[:rows]  # the (row, tile) programs; a further row is the compaction's (Gluon W13)
     assert (tiles > 0).all() and (tiles.diff(dim=-1) >= 0).all()
     assert tiles[..., 1].min() >= w13[:, 1].max(), "a W2 program passed the wait before W13 ended"
-    if w2.shape[0] > rows:
+    assert w2.shape[0] == rows + (stages > 0)  # the Gluon W13's W2 launch has the compaction row
+    if stages > 0:
         assert (w2[rows, :, 0] > 0).all() and (w2[rows, :, 4] >= w2[rows, :, 0]).all()
-    wrong = Timeline(timeline.w13[1:], timeline.w2)
     with pytest.raises(ValueError, match="not sized"):
-        grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, outs[0], config, timeline=wrong)
+        grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, outs[0], config,
+                               timeline=Timeline(timeline.w13[1:], timeline.w2))
+    with pytest.raises(ValueError, match="int64"):
+        grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, outs[0], config,
+                               timeline=Timeline(timeline.w13, timeline.w2.to(torch.int32)))

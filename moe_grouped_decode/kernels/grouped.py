@@ -55,7 +55,7 @@ from .awq_tiles import silu_mul
 from .combine import combine_rows, combine_tile
 from .configs import GroupedConfig
 from .pdl import launch_options, let_next_launch_start, pdl_supported, wait_for_previous_launch
-from .timeline import W2_STAMPS, W13_STAMPS, Timeline, now
+from .timeline import W2_STAMP_COUNT, W2_STAMPS, W13_STAMP_COUNT, W13_STAMPS, Timeline, now
 
 _PAD_KEY = tl.constexpr(1 << 62)  # sort key of padding rows: past every (expert, row) key
 
@@ -117,7 +117,7 @@ def _w13_kernel(
     """
     let_next_launch_start(USE_PDL)
     pid = tl.program_id(0)
-    stamps = timeline_ptr + pid * 2  # timeline.W13_STAMPS
+    stamps = timeline_ptr + pid * W13_STAMP_COUNT
     if TIMELINE:
         tl.store(stamps, now())
     if pid == 0:
@@ -217,7 +217,7 @@ def _w2_rows_kernel(
     let_next_launch_start(USE_PDL and not FUSED_COMBINE)
     row = tl.program_id(0)
     tile = tl.program_id(1)
-    stamps = timeline_ptr + (row * tl.num_programs(1) + tile) * 5  # timeline.W2_STAMPS
+    stamps = timeline_ptr + (row * tl.num_programs(1) + tile) * W2_STAMP_COUNT
     if TIMELINE:
         tl.store(stamps, now())
     if COMPACT:
@@ -386,6 +386,10 @@ def grouped_decode(
             raise ValueError("grouped_decode: the timeline reads the GPU's clock (inline PTX); it needs a GPU")
         if timeline.w13.shape != (w13_programs, len(W13_STAMPS)) or timeline.w2.shape != (*w2_grid, len(W2_STAMPS)):
             raise ValueError("grouped_decode: the timeline is not sized for this call and config (alloc_timeline)")
+        for stamps in (timeline.w13, timeline.w2):
+            if stamps.dtype != torch.int64 or not stamps.is_contiguous() or stamps.device != hidden_states.device:
+                raise ValueError(f"grouped_decode: timeline stamps must be contiguous int64 on {hidden_states.device}, "
+                                 f"got {stamps.dtype} on {stamps.device} (alloc_timeline)")
     # without a timeline the kernels compile the stamps out; any pointer fills the argument
     w13_stamps = timeline.w13 if timeline is not None else scratch.live_count
     w2_stamps = timeline.w2 if timeline is not None else scratch.live_count

@@ -33,9 +33,14 @@ except ImportError:  # a Triton without Gluon: the tl kernel serves every config
     AVAILABLE = False
 
 from .awq_mma import CHUNK_PTX_BF16, CHUNK_PTX_F16, CHUNK_CONSTRAINTS
-from .timeline import GLOBALTIMER_PTX
+from .timeline import GLOBALTIMER_PTX, W13_STAMP_COUNT
 
 if AVAILABLE:
+
+    @gluon.jit
+    def _now():
+        """kernels.timeline.now, in Gluon."""
+        return gl.inline_asm_elementwise(GLOBALTIMER_PTX, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
     @gluon.jit
     def w13_ring_kernel(
@@ -51,18 +56,16 @@ if AVAILABLE:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
         pid = gl.program_id(0)
-        stamps = timeline_ptr + pid * 2  # timeline.W13_STAMPS
+        stamps = timeline_ptr + pid * W13_STAMP_COUNT
         if TIMELINE:
-            gl.store(stamps, gl.inline_asm_elementwise(GLOBALTIMER_PTX, "=l", [], dtype=gl.int64, is_pure=False,
-                                                       pack=1))
+            gl.store(stamps, _now())
         if pid == 0:
             if ARRIVALS_PAD > 0:
                 flat: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
                 a = gl.arange(0, ARRIVALS_PAD, layout=flat)
                 gl.store(arrivals_ptr + a, gl.zeros([ARRIVALS_PAD], gl.int32, layout=flat), mask=a < num_arrivals)
             if TIMELINE:
-                gl.store(stamps + 1, gl.inline_asm_elementwise(GLOBALTIMER_PTX, "=l", [], dtype=gl.int64,
-                                                               is_pure=False, pack=1))
+                gl.store(stamps + 1, _now())
             return
         PACKED_N: gl.constexpr = TWO_N // 8
         TILES: gl.constexpr = PACKED_N // 8
@@ -176,5 +179,4 @@ if AVAILABLE:
         gl.store(out_base + cols, acc_lo, mask=keep)
         gl.store(out_base + cols + 4, acc_hi, mask=keep)
         if TIMELINE:
-            gl.store(stamps + 1, gl.inline_asm_elementwise(GLOBALTIMER_PTX, "=l", [], dtype=gl.int64, is_pure=False,
-                                                           pack=1))
+            gl.store(stamps + 1, _now())
