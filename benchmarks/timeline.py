@@ -1,6 +1,6 @@
 """Where a layer's microseconds go: per-program timestamps of the grouped op (kernels/timeline.py).
 
-    PYTHONPATH=. python benchmarks/timeline.py [M,M,...] [--out docs/bench/timeline.md]
+    PYTHONPATH=. python benchmarks/timeline.py [M,M,...] [--out docs/bench/timeline.md] [--fields JSON]
 
 For each M (default 2, 4, 8): the table's config, fp16, the qwen3.8-tp4 shape, 32 layers of
 distinct weights replayed in one CUDA graph (as the benchmark times them; L2 cold), random
@@ -11,6 +11,8 @@ The stamps cost a little (the "us per layer" row is with them). The smallest ste
 stamps (the timer's resolution, or finer than it) is printed.
 """
 import argparse
+import dataclasses
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -58,11 +60,12 @@ def layer_points(w13, w2, next_w13, prev_w2, rows):
     }
 
 
-def measure(M: int, layers, workspace, gen):
+def measure(M: int, layers, workspace, gen, fields=None):
     ids, tws, xs = random_layer_inputs(M, k, E, K, LAYERS, torch.float16, "cuda", gen)
     outs = [torch.empty_like(x) for x in xs]
     config = configs.grouped_config((E, k, K, N, G), "fp16", M,
                                     grouped.ring_available(cuda_capability(torch.device("cuda"))))
+    config = dataclasses.replace(config, **(fields or {})).fitted(K)
     views = workspace_views(workspace, M * k, K, N)
     timelines = [grouped.alloc_timeline(M, k, K, N, config, torch.device("cuda")) for _ in range(LAYERS)]
 
@@ -86,6 +89,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("tokens", nargs="?", default="2,4,8")
     parser.add_argument("--out", default="", help="also write the Markdown table here")
+    parser.add_argument("--fields", default="{}", help="GroupedConfig fields over the table's, as JSON")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("timeline: needs a CUDA GPU")
@@ -99,7 +103,7 @@ def main(argv=None) -> int:
         layers.append(synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000 + i, device="cuda"))
     results = {}
     for M in Ms:
-        results[M] = measure(M, layers, workspace, gen)
+        results[M] = measure(M, layers, workspace, gen, json.loads(args.fields))
         print(f"[timeline] M = {M}: {results[M][0]:.2f} us per layer, config {results[M][1]}", flush=True)
     grain = min(r[2] for r in results.values())
     lines = [f"us from the layer's first W13 program start, medians over layers 1..30 (smallest step between "
