@@ -34,6 +34,9 @@ Launches (no host sync; every grid is sized by the static R = M * k rows)::
    next one start early (programmatic dependent launch); the next one waits for
    it before reading what it wrote.
 
+With a ``timeline`` (benchmarks/timeline.py only), every program of both launches also stamps
+the GPU's clock at fixed points (kernels/timeline.py); without one, the stamps compile out.
+
 A token's output depends only on its own activations, routing and weights:
 fixed summation orders, and the only atomics are integer arrival counts (which
 program combines changes, the j-ordered sum it computes does not), so outputs
