@@ -139,15 +139,14 @@ def launched_kernels(dtype, M, timeline=False):
     use_pdl = config.pdl and TARGET.arch >= 90  # as kernels.pdl.pdl_supported decides at launch
     pointers = dict(PTR16, **{name: f"*{dtype}" for name in ("x_ptr", "scales_ptr", "out_ptr")})
     rows = M * k
-    w2_tiles = -(-K // config.w2_block_k)
-    arrivals = M * w2_tiles if config.fused_combine else 0
+    ring = grouped.uses_w13_ring(config, capability)
+    w13_grid, w2_grid = grouped._grids(rows, K, N, config, ring)  # the launches' grids
+    arrivals = M * w2_grid[1] if config.fused_combine else 0
     w13_consts = dict(TOP_K=k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps,
                       SPLITS=config.w13_splits(K), IS_BF16=dtype == "bf16", USE_PDL=use_pdl, TIMELINE=timeline)
     w13_ints = dict(stride_xm=K, rows=rows, num_arrivals=arrivals)
     w13_weights = config.w13_block_k * 64
-    w13_grid = 1 + rows * config.w13_splits(K) * (2 * N // 8 // grouped.TILE_WORDS.value)
     arrivals_pad = grouped._next_pow2(arrivals) if arrivals else 0
-    ring = grouped.uses_w13_ring(config, capability)
     if ring:
         from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -171,7 +170,7 @@ def launched_kernels(dtype, M, timeline=False):
         TOP_K=k, IS_BF16=dtype == "bf16", FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
         COMPACT=ring, R_PAD=max(16, grouped._next_pow2(rows)), TIMELINE=timeline), pointers,
         config.w2_warps, dict(rows=rows, stride_om=K), config.w2_compile_options(capability))
-    yield f"M={M} {dtype} w2", w2, N * config.w2_block_k, (rows + int(ring)) * w2_tiles, config.w2_warps, True
+    yield f"M={M} {dtype} w2", w2, N * config.w2_block_k, w2_grid[0] * w2_grid[1], config.w2_warps, True
 
 
 def timer_reads(kernel) -> int:

@@ -98,9 +98,8 @@ def main(argv=None) -> int:
         sys.exit(f"timeline: token counts {Ms}; the workspace here holds 1..8 tokens")
     gen = torch.Generator().manual_seed(0)
     workspace = alloc_workspace(8, k, K, N, "cuda")
-    layers = []
-    for i in range(LAYERS):
-        layers.append(synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000 + i, device="cuda"))
+    layers = [synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000 + i, device="cuda")
+              for i in range(LAYERS)]
     results = {}
     for M in Ms:
         results[M] = measure(M, layers, workspace, gen, json.loads(args.fields))
