@@ -1,0 +1,186 @@
+"""Does the width of a warp's load requests bound how fast W13's bytes arrive? (CUDA only)
+
+W13's programs read a 64-column tile: 32 bytes of each 160-byte weight row, so every row is
+one 32-byte sector in a 128-byte line of its own (Nsight Compute, explorations run 37: 1.1
+sectors per L2 request). The read floor's programs read contiguous blocks (4 sectors per
+request). If an SM can keep only so many requests in flight, narrow requests cap its bytes in
+flight, and with them the bandwidth. This reads exactly the same bytes (the packed W13 of 80
+experts drawn from 512, cold in L2) in several shapes and prints the achieved TB/s of each::
+
+    tile         program (expert slot, K-split, tile), 1 warp: 32 bytes of each of its rows (W13's)
+    contig       the same programs, each reading its 16 KB as one contiguous range (the floor's)
+    5 tiles      one (expert slot, K-split) per 8-warp CTA, lanes over (2 rows, 8 tiles of which 5
+                 load, 2 lanes per tile): whole rows, two rows 4 apart per warp instruction (the
+                 Gluon W13 ring's shared-row order)
+    8 programs   8 consecutive W13 programs per 8-warp CTA
+    padded rows  whole rows as [rows, 64 words] masked to 40: two adjacent rows per instruction
+    flat rows    whole rows as one flat range: 512 contiguous bytes per instruction
+
+Every shape must read every word exactly once: the XOR of its programs' sinks is checked against
+the XOR of the experts' words before it is timed.
+``python benchmarks/request_width.py [--reps 20]`` (docs/bench/explorations.md run 38).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from moe_grouped_decode.ops.cuda import graph_replay_us
+
+EXPERTS, ACTIVE, K, WORDS = 512, 80, 2560, 40  # qwen3.8-tp4 W13: [E, K, 2N / 8] int32
+TILES = WORDS // 8  # 64-column tiles per row
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
+def _tile_or_contig(w_ptr, experts_ptr, sink_ptr, K: tl.constexpr, WORDS: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+                    STEP_ROWS: tl.constexpr, CONTIG: tl.constexpr):
+    pid = tl.program_id(0)
+    TILES: tl.constexpr = WORDS // 8
+    SPLITS: tl.constexpr = K // SPLIT_ROWS
+    tile = pid % TILES
+    split = (pid // TILES) % SPLITS
+    expert = tl.load(experts_ptr + pid // (TILES * SPLITS)).to(tl.int64)
+    base = w_ptr + expert * (K * WORDS)
+    r = tl.arange(0, STEP_ROWS)[:, None]
+    w = tl.arange(0, 8)[None, :]
+    acc = tl.zeros([STEP_ROWS, 8], dtype=tl.int32)
+    for step in tl.static_range(SPLIT_ROWS // STEP_ROWS):
+        if CONTIG:  # block (split, tile) of the expert's words, row-major inside it
+            idx = (split * TILES + tile) * (SPLIT_ROWS * 8) + (step * STEP_ROWS + r) * 8 + w
+        else:
+            idx = (split * SPLIT_ROWS + step * STEP_ROWS + r) * WORDS + tile * 8 + w
+        acc ^= tl.load(base + idx)
+    tl.store(sink_ptr + pid, tl.reduce(tl.reduce(acc, 1, _xor), 0, _xor))
+
+
+@triton.jit
+def _cta_items(w_ptr, experts_ptr, sink_ptr, K: tl.constexpr, WORDS: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+               ITEMS: tl.constexpr, SAME_SPLIT: tl.constexpr, ROWS: tl.constexpr, STEP_ROWS: tl.constexpr):
+    """One CTA copies the 32-byte tiles of ITEMS W13 programs per 32-row step, lanes along (item, word)
+    first: with SAME_SPLIT the CTA is one (expert slot, split) and its items are the 5 tiles (padded to
+    ITEMS, the rest masked); otherwise items ITEMS * pid .. of the W13 grid's (row, split, tile) order."""
+    pid = tl.program_id(0)
+    TILES: tl.constexpr = WORDS // 8
+    SPLITS: tl.constexpr = K // SPLIT_ROWS
+    item = tl.arange(0, ITEMS)[None, :, None]
+    if SAME_SPLIT:
+        work = pid * TILES + item
+        ok = item < TILES
+    else:
+        work = pid * ITEMS + item
+        ok = work < ROWS * SPLITS * TILES
+    tile = work % TILES
+    split = (work // TILES) % SPLITS
+    expert = tl.load(experts_ptr + work // (TILES * SPLITS), mask=ok, other=0).to(tl.int64)
+    q = tl.arange(0, STEP_ROWS)[:, None, None]
+    row = (q & ~31) | (q & 16) | ((q & 3) << 2) | ((q >> 2) & 3)  # the Gluon ring's shared-row order
+    w = tl.arange(0, 8)[None, None, :]
+    base = w_ptr + expert * (K * WORDS) + tile * 8 + w
+    acc = tl.zeros([STEP_ROWS, ITEMS, 8], dtype=tl.int32)
+    for step in tl.static_range(SPLIT_ROWS // STEP_ROWS):
+        acc ^= tl.load(base + (split * SPLIT_ROWS + step * STEP_ROWS + row) * WORDS, mask=ok, other=0)
+    tl.store(sink_ptr + pid, tl.reduce(tl.reduce(tl.reduce(acc, 2, _xor), 1, _xor), 0, _xor))
+
+
+@triton.jit
+def _padded_rows(w_ptr, experts_ptr, sink_ptr, K: tl.constexpr, WORDS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                 STEP_ROWS: tl.constexpr):
+    """Whole rows as a [rows, 64] block masked to the row's 40 words: a warp instruction covers two
+    adjacent rows (16 lanes each, 10 of them loading)."""
+    pid = tl.program_id(0)
+    BLOCKS: tl.constexpr = K // BLOCK_ROWS
+    expert = tl.load(experts_ptr + pid // BLOCKS).to(tl.int64)
+    r = tl.arange(0, STEP_ROWS)[:, None]
+    w = tl.arange(0, 64)[None, :]
+    base = w_ptr + expert * (K * WORDS) + (pid % BLOCKS) * (BLOCK_ROWS * WORDS) + w
+    acc = tl.zeros([STEP_ROWS, 64], dtype=tl.int32)
+    for step in tl.static_range(BLOCK_ROWS // STEP_ROWS):
+        acc ^= tl.load(base + (step * STEP_ROWS + r) * WORDS, mask=w < WORDS, other=0)
+    tl.store(sink_ptr + pid, tl.reduce(tl.reduce(acc, 1, _xor), 0, _xor))
+
+
+@triton.jit
+def _whole_rows(w_ptr, experts_ptr, sink_ptr, K: tl.constexpr, WORDS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                SIZE_PAD: tl.constexpr):
+    pid = tl.program_id(0)
+    BLOCKS: tl.constexpr = K // BLOCK_ROWS
+    expert = tl.load(experts_ptr + pid // BLOCKS).to(tl.int64)
+    SIZE: tl.constexpr = BLOCK_ROWS * WORDS
+    i = tl.arange(0, SIZE_PAD)
+    words = tl.load(w_ptr + expert * (K * WORDS) + (pid % BLOCKS) * SIZE + i, mask=i < SIZE, other=0)
+    tl.store(sink_ptr + pid, tl.reduce(words, 0, _xor))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = torch.randint(-2**31, 2**31 - 1, (EXPERTS, K, WORDS), dtype=torch.int32, device="cuda", generator=gen)
+    # disjoint expert sets, one per call in turn: the 6 sets (197 MB) overflow the 60 MB L2, so every
+    # call finds its experts cold, as the bench's 32 layers do
+    order = torch.randperm(EXPERTS, device="cuda", generator=gen).to(torch.int32)
+    expert_sets = [order[i * ACTIVE:(i + 1) * ACTIVE] for i in range(EXPERTS // ACTIVE)]
+    sink = torch.empty(ACTIVE * K, dtype=torch.int32, device="cuda")
+    nbytes = ACTIVE * K * WORDS * 4
+
+    def tile_or_contig(split_rows, step_rows, contig):
+        programs = ACTIVE * (K // split_rows) * TILES
+        return programs, lambda ids: _tile_or_contig[(programs,)](
+            weights, ids, sink, K, WORDS, split_rows, step_rows, CONTIG=contig, num_warps=1)
+
+    def cta_items(split_rows, step_rows, same_split):
+        ctas = ACTIVE * (K // split_rows) * (1 if same_split else TILES) // (1 if same_split else 8)
+        return ctas, lambda ids: _cta_items[(ctas,)](
+            weights, ids, sink, K, WORDS, split_rows, 8, SAME_SPLIT=same_split, ROWS=ACTIVE, STEP_ROWS=step_rows,
+            num_warps=8)
+
+    def padded_rows(block_rows, step_rows, warps):
+        programs = ACTIVE * K // block_rows
+        return programs, lambda ids: _padded_rows[(programs,)](
+            weights, ids, sink, K, WORDS, block_rows, step_rows, num_warps=warps)
+
+    def flat_rows(block_rows):
+        programs = ACTIVE * K // block_rows
+        return programs, lambda ids: _whole_rows[(programs,)](
+            weights, ids, sink, K, WORDS, block_rows, triton.next_power_of_2(block_rows * WORDS), num_warps=4)
+
+    shapes = {
+        "tile (W13's): 1-warp programs of 512 rows, 4 steps": tile_or_contig(512, 128, False),
+        "tile: 1-warp programs of 128 rows, 1 step": tile_or_contig(128, 128, False),
+        "contig (the floor's): 1-warp programs of 16 KB, 4 steps": tile_or_contig(512, 128, True),
+        "5 tiles per 8-warp CTA: 512 rows, 16 steps": cta_items(512, 32, True),
+        "5 tiles per 8-warp CTA: 128 rows, 1 step": cta_items(128, 128, True),
+        "8 programs per 8-warp CTA: 512 rows, 16 steps": cta_items(512, 32, False),
+        "padded rows: 512 per 8-warp program, 16 steps": padded_rows(512, 32, 8),
+        "padded rows: 512 per 4-warp program, 16 steps": padded_rows(512, 32, 4),
+        "padded rows: 32 per 4-warp program, 1 step": padded_rows(32, 32, 4),
+        "flat rows: 32 per 4-warp program": flat_rows(32),
+        "flat rows: 128 per 4-warp program": flat_rows(128),
+    }
+    calls = 5 * len(expert_sets)
+    print(f"{nbytes / 1e6:.1f} MB per call (packed W13 of {ACTIVE} experts); a CUDA graph of {calls} calls over "
+          f"{len(expert_sets)} disjoint expert sets, median of {args.reps} replays")
+    expected = np.bitwise_xor.reduce(weights[expert_sets[0].long()].cpu().numpy().ravel())
+    print("| shape | us per call | TB/s |\n| --- | --- | --- |")
+    for name, (programs, launch) in shapes.items():
+        launch(expert_sets[0])
+        read = np.bitwise_xor.reduce(sink[:programs].cpu().numpy())
+        if read != expected:
+            raise SystemExit(f"{name}: the programs did not read every word once")
+        us = graph_replay_us(lambda i, launch=launch: launch(expert_sets[i % len(expert_sets)]), calls, args.reps)
+        print(f"| {name} | {us:.2f} | {nbytes / us / 1e6:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
