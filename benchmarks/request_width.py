@@ -16,6 +16,10 @@ experts drawn from 512, cold in L2) in several shapes and prints the achieved TB
     padded rows  whole rows as [rows, 64 words] masked to 40: two adjacent rows per instruction
     flat rows    whole rows as one flat range: 512 contiguous bytes per instruction
 
+Then W2's bytes (80 experts), as the op's W2 programs (4 warps x 64 columns, M = 8's config) load
+them, each lane its own fragment words (4 bytes per lane, rows 4 t + i), and the same bytes as
+plain rows (16 bytes per lane, 128 per row).
+
 Every shape must read every word exactly once: the XOR of its programs' sinks is checked against
 the XOR of the experts' words before it is timed.
 ``python benchmarks/request_width.py [--reps 20]`` (docs/bench/explorations.md run 38).
@@ -30,10 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_grouped_decode.kernels.awq_mma import chunk_lanes, chunk_rows
 from moe_grouped_decode.ops.cuda import graph_replay_us
 
 EXPERTS, ACTIVE, K, WORDS = 512, 80, 2560, 40  # qwen3.8-tp4 W13: [E, K, 2N / 8] int32
 TILES = WORDS // 8  # 64-column tiles per row
+W2_N, W2_WORDS = 160, K // 8  # W2: [E, N, K / 8] int32
 
 
 @triton.jit
@@ -121,18 +127,57 @@ def _whole_rows(w_ptr, experts_ptr, sink_ptr, K: tl.constexpr, WORDS: tl.constex
     tl.store(sink_ptr + pid, tl.reduce(words, 0, _xor))
 
 
+@triton.jit
+def _w2_tiles(w_ptr, experts_ptr, sink_ptr, N: tl.constexpr, PACKED_K: tl.constexpr, WARPS: tl.constexpr,
+              FRAGMENTS: tl.constexpr):
+    """W2 program (row slot, tile of WARPS x 64 columns): its 128 bytes of each of the N rows, either
+    as the op's W2 loads them (each lane its fragment words, awq_mma's layout) or as plain rows."""
+    pid = tl.program_id(0)
+    TILES: tl.constexpr = PACKED_K // (8 * WARPS)
+    tile = pid % TILES
+    base = w_ptr + tl.load(experts_ptr + pid // TILES).to(tl.int64) * (N * PACKED_K)
+    if FRAGMENTS:
+        warp, g, t, e = chunk_lanes(WARPS)
+        word = (tile * WARPS + warp) * 8 + g
+        acc = tl.zeros([32 * WARPS, 8], dtype=tl.int32)
+        for c in tl.static_range(N // 32):
+            acc ^= tl.load(base + chunk_rows(c * 32, t, e) * PACKED_K + word)
+    else:
+        r = tl.arange(0, 32)[:, None]
+        w = tile * (8 * WARPS) + tl.arange(0, 8 * WARPS)[None, :]
+        acc = tl.zeros([32, 8 * WARPS], dtype=tl.int32)
+        for c in tl.static_range(N // 32):
+            acc ^= tl.load(base + (c * 32 + r) * PACKED_K + w)
+    tl.store(sink_ptr + pid, tl.reduce(tl.reduce(acc, 1, _xor), 0, _xor))
+
+
+def _time_shapes(title: str, weights, expert_sets, sink, shapes, reps: int) -> None:
+    """Check that every shape reads each word of the first expert set once, then time them all."""
+    nbytes = expert_sets[0].numel() * weights[0].numel() * 4
+    calls = 5 * len(expert_sets)
+    print(f"\n{title}: {nbytes / 1e6:.1f} MB per call; a CUDA graph of {calls} calls over {len(expert_sets)} "
+          f"disjoint expert sets, median of {reps} replays")
+    expected = np.bitwise_xor.reduce(weights[expert_sets[0].long()].cpu().numpy().ravel())
+    print("| shape | us per call | TB/s |\n| --- | --- | --- |")
+    for name, (programs, launch) in shapes.items():
+        launch(expert_sets[0])
+        if np.bitwise_xor.reduce(sink[:programs].cpu().numpy()) != expected:
+            raise SystemExit(f"{name}: the programs did not read every word once")
+        us = graph_replay_us(lambda i, launch=launch: launch(expert_sets[i % len(expert_sets)]), calls, reps)
+        print(f"| {name} | {us:.2f} | {nbytes / us / 1e6:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = torch.randint(-2**31, 2**31 - 1, (EXPERTS, K, WORDS), dtype=torch.int32, device="cuda", generator=gen)
-    # disjoint expert sets, one per call in turn: the 6 sets (197 MB) overflow the 60 MB L2, so every
-    # call finds its experts cold, as the bench's 32 layers do
+    # disjoint expert sets, one per call in turn: the 6 sets (197 MB of W13, 98 MB of W2) overflow the
+    # 60 MB L2, so every call finds its experts cold, as the bench's 32 layers do
     order = torch.randperm(EXPERTS, device="cuda", generator=gen).to(torch.int32)
     expert_sets = [order[i * ACTIVE:(i + 1) * ACTIVE] for i in range(EXPERTS // ACTIVE)]
     sink = torch.empty(ACTIVE * K, dtype=torch.int32, device="cuda")
-    nbytes = ACTIVE * K * WORDS * 4
 
     def tile_or_contig(split_rows, step_rows, contig):
         programs = ACTIVE * (K // split_rows) * TILES
@@ -168,18 +213,19 @@ def main() -> None:
         "flat rows: 32 per 4-warp program": flat_rows(32),
         "flat rows: 128 per 4-warp program": flat_rows(128),
     }
-    calls = 5 * len(expert_sets)
-    print(f"{nbytes / 1e6:.1f} MB per call (packed W13 of {ACTIVE} experts); a CUDA graph of {calls} calls over "
-          f"{len(expert_sets)} disjoint expert sets, median of {args.reps} replays")
-    expected = np.bitwise_xor.reduce(weights[expert_sets[0].long()].cpu().numpy().ravel())
-    print("| shape | us per call | TB/s |\n| --- | --- | --- |")
-    for name, (programs, launch) in shapes.items():
-        launch(expert_sets[0])
-        read = np.bitwise_xor.reduce(sink[:programs].cpu().numpy())
-        if read != expected:
-            raise SystemExit(f"{name}: the programs did not read every word once")
-        us = graph_replay_us(lambda i, launch=launch: launch(expert_sets[i % len(expert_sets)]), calls, args.reps)
-        print(f"| {name} | {us:.2f} | {nbytes / us / 1e6:.2f} |", flush=True)
+    _time_shapes(f"W13 (packed words of {ACTIVE} experts)", weights, expert_sets, sink, shapes, args.reps)
+
+    w2 = torch.randint(-2**31, 2**31 - 1, (EXPERTS, W2_N, W2_WORDS), dtype=torch.int32, device="cuda", generator=gen)
+    w2_programs = ACTIVE * W2_WORDS // 32
+
+    def w2_tiles(fragments):
+        return w2_programs, lambda ids: _w2_tiles[(w2_programs,)](
+            w2, ids, sink, W2_N, W2_WORDS, 4, FRAGMENTS=fragments, num_warps=4)
+
+    _time_shapes(f"W2 (packed words of {ACTIVE} experts; programs of 4 warps x 64 columns, as the op's at M = 8)",
+                 w2, expert_sets, sink, {"fragments (the op's W2 loads)": w2_tiles(True),
+                                         "rows (the same bytes, 4 rows of 128 per instruction)": w2_tiles(False)},
+                 args.reps)
 
 
 if __name__ == "__main__":
