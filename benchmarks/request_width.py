@@ -4,8 +4,9 @@ W13's programs read a 64-column tile: 32 bytes of each 160-byte weight row, so e
 one 32-byte sector in a 128-byte line of its own (Nsight Compute, explorations run 37: 1.1
 sectors per L2 request). The read floor's programs read contiguous blocks (4 sectors per
 request). If an SM can keep only so many requests in flight, narrow requests cap its bytes in
-flight, and with them the bandwidth. This reads exactly the same bytes (the packed W13 of 80
-experts drawn from 512, cold in L2) in several shapes and prints the achieved TB/s of each::
+flight, and with them the bandwidth. This reads exactly the same bytes (the packed W13
+of 80 experts drawn from 512 by default, ``--active``; cold in L2) in several shapes and prints
+the achieved TB/s of each::
 
     tile         program (expert slot, K-split, tile), 1 warp: 32 bytes of each of its rows (W13's)
     contig       the same programs, each reading its 16 KB as one contiguous range (the floor's)
@@ -22,7 +23,7 @@ plain rows (16 bytes per lane, 128 per row).
 
 Every shape must read every word exactly once: the XOR of its programs' sinks is checked against
 the XOR of the experts' words before it is timed.
-``python benchmarks/request_width.py [--reps 20]`` (docs/bench/explorations.md run 38).
+``python benchmarks/request_width.py [--reps 20] [--active 80]`` (docs/bench/explorations.md run 38).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import triton.language as tl
 from moe_grouped_decode.kernels.awq_mma import chunk_lanes, chunk_rows
 from moe_grouped_decode.ops.cuda import graph_replay_us
 
-EXPERTS, ACTIVE, K, WORDS = 512, 80, 2560, 40  # qwen3.8-tp4 W13: [E, K, 2N / 8] int32
+EXPERTS, K, WORDS = 512, 2560, 40  # qwen3.8-tp4 W13: [E, K, 2N / 8] int32
 TILES = WORDS // 8  # 64-column tiles per row
 W2_N, W2_WORDS = 160, K // 8  # W2: [E, N, K / 8] int32
 
@@ -170,38 +171,41 @@ def _time_shapes(title: str, weights, expert_sets, sink, shapes, reps: int) -> N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--active", type=int, default=80, help="experts per call (M = 8 routes ~75-80, M = 2 ~20)")
     args = parser.parse_args()
+    active = args.active
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = torch.randint(-2**31, 2**31 - 1, (EXPERTS, K, WORDS), dtype=torch.int32, device="cuda", generator=gen)
-    # disjoint expert sets, one per call in turn: the 6 sets (197 MB of W13, 98 MB of W2) overflow the
+    # disjoint expert sets, one per call in turn: the sets (~200 MB of W13, ~100 MB of W2) overflow the
     # 60 MB L2, so every call finds its experts cold, as the bench's 32 layers do
     order = torch.randperm(EXPERTS, device="cuda", generator=gen).to(torch.int32)
-    expert_sets = [order[i * ACTIVE:(i + 1) * ACTIVE] for i in range(EXPERTS // ACTIVE)]
-    sink = torch.empty(ACTIVE * K, dtype=torch.int32, device="cuda")
+    expert_sets = [order[i * active:(i + 1) * active] for i in range(EXPERTS // active)]
+    sink = torch.empty(active * K, dtype=torch.int32, device="cuda")
 
     def tile_or_contig(split_rows, step_rows, contig):
-        programs = ACTIVE * (K // split_rows) * TILES
+        programs = active * (K // split_rows) * TILES
         return programs, lambda ids: _tile_or_contig[(programs,)](
             weights, ids, sink, K, WORDS, split_rows, step_rows, CONTIG=contig, num_warps=1)
 
     def cta_items(split_rows, step_rows, same_split):
-        ctas = ACTIVE * (K // split_rows) * (1 if same_split else TILES) // (1 if same_split else 8)
+        ctas = active * (K // split_rows) if same_split else triton.cdiv(active * (K // split_rows) * TILES, 8)
         return ctas, lambda ids: _cta_items[(ctas,)](
-            weights, ids, sink, K, WORDS, split_rows, 8, SAME_SPLIT=same_split, ROWS=ACTIVE, STEP_ROWS=step_rows,
+            weights, ids, sink, K, WORDS, split_rows, 8, SAME_SPLIT=same_split, ROWS=active, STEP_ROWS=step_rows,
             num_warps=8)
 
     def padded_rows(block_rows, step_rows, warps):
-        programs = ACTIVE * K // block_rows
+        programs = active * K // block_rows
         return programs, lambda ids: _padded_rows[(programs,)](
             weights, ids, sink, K, WORDS, block_rows, step_rows, num_warps=warps)
 
     def flat_rows(block_rows):
-        programs = ACTIVE * K // block_rows
+        programs = active * K // block_rows
         return programs, lambda ids: _whole_rows[(programs,)](
             weights, ids, sink, K, WORDS, block_rows, triton.next_power_of_2(block_rows * WORDS), num_warps=4)
 
     shapes = {
         "tile (W13's): 1-warp programs of 512 rows, 4 steps": tile_or_contig(512, 128, False),
+        "tile: 1-warp programs of 256 rows, 2 steps": tile_or_contig(256, 128, False),
         "tile: 1-warp programs of 128 rows, 1 step": tile_or_contig(128, 128, False),
         "contig (the floor's): 1-warp programs of 16 KB, 4 steps": tile_or_contig(512, 128, True),
         "5 tiles per 8-warp CTA: 512 rows, 16 steps": cta_items(512, 32, True),
@@ -213,16 +217,16 @@ def main() -> None:
         "flat rows: 32 per 4-warp program": flat_rows(32),
         "flat rows: 128 per 4-warp program": flat_rows(128),
     }
-    _time_shapes(f"W13 (packed words of {ACTIVE} experts)", weights, expert_sets, sink, shapes, args.reps)
+    _time_shapes(f"W13 (packed words of {active} experts)", weights, expert_sets, sink, shapes, args.reps)
 
     w2 = torch.randint(-2**31, 2**31 - 1, (EXPERTS, W2_N, W2_WORDS), dtype=torch.int32, device="cuda", generator=gen)
-    w2_programs = ACTIVE * W2_WORDS // 32
+    w2_programs = active * W2_WORDS // 32
 
     def w2_tiles(fragments):
         return w2_programs, lambda ids: _w2_tiles[(w2_programs,)](
             w2, ids, sink, W2_N, W2_WORDS, 4, FRAGMENTS=fragments, num_warps=4)
 
-    _time_shapes(f"W2 (packed words of {ACTIVE} experts; programs of 4 warps x 64 columns, as the op's at M = 8)",
+    _time_shapes(f"W2 (packed words of {active} experts; programs of 4 warps x 64 columns, as the op's at M = 4 and 8)",
                  w2, expert_sets, sink, {"fragments (the op's W2 loads)": w2_tiles(True),
                                          "rows (the same bytes, 4 rows of 128 per instruction)": w2_tiles(False)},
                  args.reps)
