@@ -13,18 +13,22 @@ default, ``--active``; cold in L2) in several shapes and prints the achieved TB/
                  Gluon W13 ring's shared-row order)
     8 programs   8 consecutive W13 programs per 8-warp CTA
     padded rows  whole rows as [rows, 64 words] masked to 40: two adjacent rows per instruction
-    flat rows    whole rows as flat ranges: 512 contiguous bytes per instruction (1-warp programs
-                 of 128 or 64 rows: a W13 whose programs take all 5 tiles of a short split)
+    flat rows    whole rows as flat ranges: 512 contiguous bytes per instruction (4-warp programs
+                 of 32 or 128 rows; 1-warp programs of 128 or 64 rows in 32-row steps: a W13 whose
+                 programs take all 5 tiles of a short split)
 
 Then W2's bytes of the same experts, as the op's 4-warp W2 programs (64 columns per warp, the
 config at M = 4 and 8; M = 2 runs 8-warp programs) load them, each lane its own fragment words (4
-bytes per lane, rows 4 t + i), and the same bytes as plain rows (16 bytes per lane, 128 per row).
+bytes per lane, awq_mma's rows 16 (e // 4) + 4 t + e % 4), and the same bytes as plain rows (16
+bytes per lane, 128 per row).
 
 "us per call" is a CUDA graph's time over its calls, so it includes the gap between two kernels
-of a graph; the first row of each table, a launch that reads nothing, measures that gap.
-Every shape must read every word exactly once: the XOR and the wrapping sum of its programs'
-sinks are checked against those of the experts' words before it is timed.
-``python benchmarks/request_width.py [--reps 20] [--active 80]`` (docs/bench/explorations.md run 38).
+of a graph; the first row of each table, a launch of empty 1-warp programs on the first shape's
+grid, measures that gap. Every shape must read every word of the first expert set exactly once:
+the XOR and the wrapping sum of its programs' checksums are checked against those of the words
+before it is timed.
+
+``PYTHONPATH=. python benchmarks/request_width.py [--reps 20] [--active 80]`` (explorations run 38).
 """
 
 from __future__ import annotations
