@@ -59,6 +59,12 @@ def _add(a, b):  # int32, wrapping (tl.sum widens under the interpreter)
 
 
 @triton.jit
+def _fold(xors, sums, words):
+    """One load's words into a program's checksums (see _sink)."""
+    return xors ^ words, sums + words
+
+
+@triton.jit
 def _sink(sink_ptr, pid, xors, sums):
     """Program pid's checksums: the XOR and the wrapping int32 sum of every word it read."""
     tl.store(sink_ptr + 2 * pid, tl.reduce(xors, None, _xor))
@@ -92,18 +98,17 @@ def _tile_or_contig(w_ptr, experts_ptr, sink_ptr, K: tl.constexpr, WORDS: tl.con
             idx = (split * TILES + tile) * (SPLIT_ROWS * 8) + (step * STEP_ROWS + r) * 8 + w
         else:
             idx = (split * SPLIT_ROWS + step * STEP_ROWS + r) * WORDS + tile * 8 + w
-        words = tl.load(base + idx)
-        xors ^= words
-        sums += words
+        xors, sums = _fold(xors, sums, tl.load(base + idx))
     _sink(sink_ptr, pid, xors, sums)
 
 
 @triton.jit
 def _cta_items(w_ptr, experts_ptr, sink_ptr, K: tl.constexpr, WORDS: tl.constexpr, SPLIT_ROWS: tl.constexpr,
                ITEMS: tl.constexpr, SAME_SPLIT: tl.constexpr, SLOTS: tl.constexpr, STEP_ROWS: tl.constexpr):
-    """One CTA reads the 32-byte tiles of ITEMS W13 programs, STEP_ROWS rows per step, lanes along (item, word)
-    first: with SAME_SPLIT the CTA is one (expert slot, split) and its items are the 5 tiles (padded to
-    ITEMS, the rest masked); otherwise items ITEMS * pid .. of the W13 grid's (row, split, tile) order."""
+    """One CTA reads the 32-byte tiles of ITEMS W13 programs, STEP_ROWS rows per step, lanes along
+    (item, word) first: with SAME_SPLIT the CTA is one (expert slot, split) and its items are the 5
+    tiles (padded to ITEMS, the rest masked); otherwise items ITEMS * pid .. of the W13 grid's
+    (row, split, tile) order."""
     pid = tl.program_id(0)
     TILES: tl.constexpr = WORDS // 8
     SPLITS: tl.constexpr = K // SPLIT_ROWS
@@ -124,9 +129,8 @@ def _cta_items(w_ptr, experts_ptr, sink_ptr, K: tl.constexpr, WORDS: tl.constexp
     xors = tl.zeros([STEP_ROWS, ITEMS, 8], dtype=tl.int32)
     sums = tl.zeros([STEP_ROWS, ITEMS, 8], dtype=tl.int32)
     for step in tl.static_range(SPLIT_ROWS // STEP_ROWS):
-        words = tl.load(base + (split * SPLIT_ROWS + step * STEP_ROWS + row) * WORDS, mask=ok, other=0)
-        xors ^= words
-        sums += words
+        rows = split * SPLIT_ROWS + step * STEP_ROWS + row
+        xors, sums = _fold(xors, sums, tl.load(base + rows * WORDS, mask=ok, other=0))
     _sink(sink_ptr, pid, xors, sums)
 
 
@@ -144,15 +148,13 @@ def _padded_rows(w_ptr, experts_ptr, sink_ptr, K: tl.constexpr, WORDS: tl.conste
     xors = tl.zeros([STEP_ROWS, 64], dtype=tl.int32)
     sums = tl.zeros([STEP_ROWS, 64], dtype=tl.int32)
     for step in tl.static_range(BLOCK_ROWS // STEP_ROWS):
-        words = tl.load(base + (step * STEP_ROWS + r) * WORDS, mask=w < WORDS, other=0)
-        xors ^= words
-        sums += words
+        xors, sums = _fold(xors, sums, tl.load(base + (step * STEP_ROWS + r) * WORDS, mask=w < WORDS, other=0))
     _sink(sink_ptr, pid, xors, sums)
 
 
 @triton.jit
 def _flat_rows(w_ptr, experts_ptr, sink_ptr, K: tl.constexpr, WORDS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                STEP_ROWS: tl.constexpr, STEP_PAD: tl.constexpr):
+               STEP_ROWS: tl.constexpr, STEP_PAD: tl.constexpr):
     """Whole rows as flat ranges: BLOCK_ROWS per program in steps of STEP_ROWS rows (STEP_PAD >= the
     step's words), 512 contiguous bytes per warp instruction."""
     pid = tl.program_id(0)
@@ -164,9 +166,7 @@ def _flat_rows(w_ptr, experts_ptr, sink_ptr, K: tl.constexpr, WORDS: tl.constexp
     xors = tl.zeros([STEP_PAD], dtype=tl.int32)
     sums = tl.zeros([STEP_PAD], dtype=tl.int32)
     for step in tl.static_range(BLOCK_ROWS // STEP_ROWS):
-        words = tl.load(base + step * STEP, mask=i < STEP, other=0)
-        xors ^= words
-        sums += words
+        xors, sums = _fold(xors, sums, tl.load(base + step * STEP, mask=i < STEP, other=0))
     _sink(sink_ptr, pid, xors, sums)
 
 
@@ -185,18 +185,14 @@ def _w2_tiles(w_ptr, experts_ptr, sink_ptr, N: tl.constexpr, PACKED_K: tl.conste
         xors = tl.zeros([32 * WARPS, 8], dtype=tl.int32)
         sums = tl.zeros([32 * WARPS, 8], dtype=tl.int32)
         for c in tl.static_range(N // 32):
-            words = tl.load(base + chunk_rows(c * 32, t, e) * PACKED_K + word)
-            xors ^= words
-            sums += words
+            xors, sums = _fold(xors, sums, tl.load(base + chunk_rows(c * 32, t, e) * PACKED_K + word))
     else:
         r = tl.arange(0, 32)[:, None]
         w = tile * (8 * WARPS) + tl.arange(0, 8 * WARPS)[None, :]
         xors = tl.zeros([32, 8 * WARPS], dtype=tl.int32)
         sums = tl.zeros([32, 8 * WARPS], dtype=tl.int32)
         for c in tl.static_range(N // 32):
-            words = tl.load(base + (c * 32 + r) * PACKED_K + w)
-            xors ^= words
-            sums += words
+            xors, sums = _fold(xors, sums, tl.load(base + (c * 32 + r) * PACKED_K + w))
     _sink(sink_ptr, pid, xors, sums)
 
 
@@ -293,10 +289,10 @@ def main() -> None:
         return w2_programs, lambda ids: _w2_tiles[(w2_programs,)](
             w2, ids, sink, W2_N, W2_WORDS, 4, FRAGMENTS=fragments, num_warps=4)
 
-    _time_shapes(f"W2 (packed words of {active} experts; 4-warp programs of 64 columns per warp, the op's W2 at M = 4 and 8)",
-                 w2, expert_sets, sink, {"fragments (the op's W2 loads)": w2_tiles(True),
-                                         "rows (the same bytes, 4 rows of 128 per instruction)": w2_tiles(False)},
-                 args.reps)
+    w2_shapes = {"fragments (the op's W2 loads)": w2_tiles(True),
+                 "rows (the same bytes, 4 rows of 128 per instruction)": w2_tiles(False)}
+    _time_shapes(f"W2 (packed words of {active} experts; 4-warp programs of 64 columns per warp, the op's W2 "
+                 "at M = 4 and 8)", w2, expert_sets, sink, w2_shapes, args.reps)
 
 
 if __name__ == "__main__":
