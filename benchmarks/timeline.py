@@ -40,6 +40,8 @@ def layer_points(w13, w2, next_w13, prev_w2, rows):
     t0 = w13[:, 0].min()
     us = lambda t: float(t - t0) / 1000.0  # noqa: E731
     tile_programs = w13[1:]  # program 0 zeroes counters (with the tl W13: and sorts); it is in the firsts and lasts
+    # tile programs are numbered (row, split, tile) row-major: a row's W13 is done at its last program's end
+    row_done = tile_programs[:, 1].reshape(rows, -1).max(dim=1).values
     tiles = w2[:rows]  # the (row, tile) programs, not the compaction row
     per_program = lambda a, b: _median(tiles[..., b] - tiles[..., a]) / 1000.0  # noqa: E731
     return {
@@ -47,6 +49,8 @@ def layer_points(w13, w2, next_w13, prev_w2, rows):
         "W13: last program start": us(w13[:, 0].max()),
         "W13: median tile program, start to end": _median(tile_programs[:, 1] - tile_programs[:, 0]) / 1000.0,
         "W13: last program end": us(w13[:, 1].max()),
+        "W13: first row done (all its programs ended)": us(row_done.min()),
+        "W13: median row done": us(_median(row_done)),
         "W2: first program start": us(tiles[..., 0].min()),
         "W2: median program start": us(_median(tiles[..., 0])),
         "W2: last program start": us(tiles[..., 0].max()),

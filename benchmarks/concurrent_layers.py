@@ -1,0 +1,125 @@
+"""How much faster a layer gets when independent layers overlap: the bench's graph, split over streams.
+
+    PYTHONPATH=. python benchmarks/concurrent_layers.py [M,M,...] [--streams 1,2,4] [--out FILE.md]
+
+The bench (``python -m moe_grouped_decode bench``) runs 32 layers of distinct weights back to
+back in one CUDA graph (L2 cold) and divides the replay time by 32. Here layer i of the same 32
+runs on stream i % S, each stream with its own workspace and sink, so S layers are in flight at
+once in arbitrary phases: one layer's W2 beside another's W13, and twice (S = 2) the programs to
+hide each other's latencies. The time per layer with S streams bounds what a design that
+overlaps one layer's phases (one launch, per-row hand-off) could reach with the same kernels'
+work per byte: such a design has one layer's work in flight, these graphs have S layers'.
+
+Columns per (M, S): the grouped op and floor2 (compaction + the read-only stream of the active
+experts' bytes, the bench's floor2), us per layer, and their ratio. Before timing, every layer's
+grouped output from the S-stream graph is checked bit-identical to the same layer run alone.
+GPU only.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from moe_grouped_decode.awq import synthetic_moe_weights
+from moe_grouped_decode.bench import random_layer_inputs
+from moe_grouped_decode.contract import QWEN38_TP4 as c
+from moe_grouped_decode.kernels import grouped as grouped_kernels
+from moe_grouped_decode.kernels.read_floor import floor_blocks, read_active_experts
+from moe_grouped_decode.ops import alloc_workspace, workspace_views
+from moe_grouped_decode.ops.cuda import graph_replay_us
+
+LAYERS = 32
+E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
+
+
+def over_streams(run_layer, streams):
+    """A graph step that runs layer i on ``streams[i % S]``: the side streams fork from the
+    capture stream at their first layer and join it after the last layer."""
+    def step(i: int) -> None:
+        main = torch.cuda.current_stream()
+        side = streams[i % len(streams)]
+        if side is None:
+            run_layer(i, 0)
+        else:
+            if i < len(streams):
+                side.wait_stream(main)
+            with torch.cuda.stream(side):
+                run_layer(i, i % len(streams))
+        if i == LAYERS - 1:
+            for s in streams:
+                if s is not None:
+                    main.wait_stream(s)
+    return step
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("tokens", nargs="?", default="2,4,8")
+    parser.add_argument("--streams", default="1,2,4")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("concurrent_layers: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    tokens = [int(m) for m in args.tokens.split(",") if m]
+    stream_counts = [int(s) for s in args.streams.split(",") if s]
+    if not tokens or min(tokens) < 1 or not stream_counts or min(stream_counts) < 1 or max(stream_counts) > LAYERS:
+        parser.error(f"token counts >= 1 and stream counts in 1..{LAYERS}")
+    device = torch.device("cuda")
+    layers = [synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000 + i, device=device)
+              for i in range(LAYERS)]
+    blocks = floor_blocks(layers[0].tensors())
+    gen = torch.Generator().manual_seed(0)
+    lines = ["| M | streams | grouped us/layer | floor2 us/layer | grouped / floor2 | grouped vs 1 stream |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for M in tokens:
+        ids, tws, xs = random_layer_inputs(M, k, E, K, LAYERS, torch.float16, device, gen)
+        max_active = min(M * k, E)
+        alone = []
+        workspace = alloc_workspace(M, k, K, N, device)
+        for i in range(LAYERS):
+            alone.append(torch.ops.moe_grouped_decode.awq_moe_grouped_decode(
+                xs[i], tws[i], ids[i], *layers[i].op_args(), workspace))
+        base = None
+        for S in stream_counts:
+            workspaces = [alloc_workspace(M, k, K, N, device) for _ in range(S)]
+            views = [workspace_views(w, M * k, K, N) for w in workspaces]
+            sinks = [torch.empty(max_active * blocks, dtype=torch.int32, device=device) for _ in range(S)]
+            outs = {}  # layer -> the output the graph's last capture (then replays) wrote
+            streams = [None] + [torch.cuda.Stream() for _ in range(S - 1)]
+
+            def grouped(i, s):
+                outs[i] = torch.ops.moe_grouped_decode.awq_moe_grouped_decode(
+                    xs[i], tws[i], ids[i], *layers[i].op_args(), workspaces[s])
+
+            def floor2(i, s):
+                v = views[s]
+                grouped_kernels.compact(ids[i], v.sorted_rows, v.sorted_experts, v.active_experts,
+                                        v.segment_offsets, v.live_count)
+                read_active_experts(v.active_experts, v.live_count, sinks[s], max_active, layers[i].tensors())
+
+            grouped_us = graph_replay_us(over_streams(grouped, streams), LAYERS, args.reps)
+            torch.cuda.synchronize()
+            for i in range(LAYERS):  # outs[i] lives in the graph's pool: the replays wrote it
+                if not torch.equal(outs[i], alone[i]):
+                    print(f"concurrent_layers: M={M} S={S} layer {i}: output differs from the layer run alone",
+                          file=sys.stderr)
+                    return 1
+            floor_us = graph_replay_us(over_streams(floor2, streams), LAYERS, args.reps)
+            base = base or grouped_us
+            lines.append(f"| {M} | {S} | {grouped_us:.2f} | {floor_us:.2f} | {grouped_us / floor_us:.2f} | "
+                         f"{grouped_us / base:.2f} |")
+            print(f"[concurrent] M={M} streams={S}: grouped {grouped_us:.2f} floor2 {floor_us:.2f} us/layer",
+                  flush=True)
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        args.out.write_text(f"`benchmarks/concurrent_layers.py {args.tokens} --streams {args.streams}` on "
+                            f"{torch.cuda.get_device_name()}, fp16, {c.name}, {LAYERS} layers:\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
