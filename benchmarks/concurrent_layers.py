@@ -34,39 +34,45 @@ E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.gr
 
 
 def over_streams(run_layer, streams):
-    """A graph step that runs layer i on ``streams[i % S]``: the side streams fork from the
-    capture stream at their first layer and join it after the last layer."""
+    """A graph step that runs layer i on ``streams[i % S]`` (``streams[0]`` is None: the capture
+    stream itself): every side stream forks from the capture stream before layer 0, so no layer
+    waits for another stream's, and joins it after the last layer."""
     def step(i: int) -> None:
         main = torch.cuda.current_stream()
+        if i == 0:
+            for side in streams[1:]:
+                side.wait_stream(main)
         side = streams[i % len(streams)]
         if side is None:
             run_layer(i, 0)
         else:
-            if i < len(streams):
-                side.wait_stream(main)
             with torch.cuda.stream(side):
                 run_layer(i, i % len(streams))
         if i == LAYERS - 1:
-            for s in streams:
-                if s is not None:
-                    main.wait_stream(s)
+            for side in streams[1:]:
+                main.wait_stream(side)
     return step
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("tokens", nargs="?", default="2,4,8")
-    parser.add_argument("--streams", default="1,2,4")
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("tokens", nargs="?", default="2,4,8", help="token counts M, comma-separated")
+    parser.add_argument("--streams", default="1,2,4", help="stream counts S, comma-separated; 1 must be first")
+    parser.add_argument("--reps", type=int, default=30, help="replays per timing (median)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
     args = parser.parse_args(argv)
+    try:
+        tokens = [int(m) for m in args.tokens.split(",") if m]
+        stream_counts = [int(s) for s in args.streams.split(",") if s]
+    except ValueError:
+        parser.error("token and stream counts are comma-separated integers")
+    if not tokens or min(tokens) < 1 or not stream_counts or stream_counts[0] != 1 or max(stream_counts) > LAYERS:
+        parser.error(f"token counts >= 1; stream counts in 1..{LAYERS}, starting with 1 (the baseline column)")
+    if args.reps < 1:
+        parser.error("--reps must be >= 1")
     if not torch.cuda.is_available():
         print("concurrent_layers: needs a CUDA GPU", file=sys.stderr)
         return 2
-    tokens = [int(m) for m in args.tokens.split(",") if m]
-    stream_counts = [int(s) for s in args.streams.split(",") if s]
-    if not tokens or min(tokens) < 1 or not stream_counts or min(stream_counts) < 1 or max(stream_counts) > LAYERS:
-        parser.error(f"token counts >= 1 and stream counts in 1..{LAYERS}")
     device = torch.device("cuda")
     layers = [synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000 + i, device=device)
               for i in range(LAYERS)]
@@ -87,7 +93,7 @@ def main(argv=None) -> int:
             workspaces = [alloc_workspace(M, k, K, N, device) for _ in range(S)]
             views = [workspace_views(w, M * k, K, N) for w in workspaces]
             sinks = [torch.empty(max_active * blocks, dtype=torch.int32, device=device) for _ in range(S)]
-            outs = {}  # layer -> the output the graph's last capture (then replays) wrote
+            outs = {}  # layer -> its output in the graph's memory pool, written by the replays only
             streams = [None] + [torch.cuda.Stream() for _ in range(S - 1)]
 
             def grouped(i, s):
@@ -102,13 +108,14 @@ def main(argv=None) -> int:
 
             grouped_us = graph_replay_us(over_streams(grouped, streams), LAYERS, args.reps)
             torch.cuda.synchronize()
-            for i in range(LAYERS):  # outs[i] lives in the graph's pool: the replays wrote it
+            for i in range(LAYERS):
                 if not torch.equal(outs[i], alone[i]):
                     print(f"concurrent_layers: M={M} S={S} layer {i}: output differs from the layer run alone",
                           file=sys.stderr)
                     return 1
             floor_us = graph_replay_us(over_streams(floor2, streams), LAYERS, args.reps)
-            base = base or grouped_us
+            if S == 1:
+                base = grouped_us
             lines.append(f"| {M} | {S} | {grouped_us:.2f} | {floor_us:.2f} | {grouped_us / floor_us:.2f} | "
                          f"{grouped_us / base:.2f} |")
             print(f"[concurrent] M={M} streams={S}: grouped {grouped_us:.2f} floor2 {floor_us:.2f} us/layer",
