@@ -5,10 +5,10 @@
 The bench (``python -m moe_grouped_decode bench``) runs 32 layers of distinct weights back to
 back in one CUDA graph (L2 cold) and divides the replay time by 32. Here layer i of the same 32
 runs on stream i % S, each stream with its own workspace and sink, so S layers are in flight at
-once in arbitrary phases: one layer's W2 beside another's W13, and twice (S = 2) the programs to
-hide each other's latencies. The time per layer with S streams bounds what a design that
-overlaps one layer's phases (one launch, per-row hand-off) could reach with the same kernels'
-work per byte: such a design has one layer's work in flight, these graphs have S layers'.
+once in arbitrary phases: one layer's W2 beside another's W13, and S times the programs to hide
+each other's latencies. How much faster a layer gets says how much of its time is latency that
+other work could hide; it does not say how much of it one layer's own phases could hide (a model's
+layers run one after the other), and floor2 gains from the overlap too.
 
 Columns per (M, S): the grouped op and floor2 (compaction + the read-only stream of the active
 experts' bytes, the bench's floor2), us per layer, and their ratio. Before timing, every layer's
