@@ -21,11 +21,9 @@ from pathlib import Path
 
 import torch
 
-from moe_grouped_decode.awq import synthetic_moe_weights
-from moe_grouped_decode.bench import random_layer_inputs
+from moe_grouped_decode.bench import floor2, random_layer_inputs, rotated_layers
 from moe_grouped_decode.contract import QWEN38_TP4 as c
-from moe_grouped_decode.kernels import grouped as grouped_kernels
-from moe_grouped_decode.kernels.read_floor import floor_blocks, read_active_experts
+from moe_grouped_decode.kernels.read_floor import floor_blocks
 from moe_grouped_decode.ops import alloc_workspace, workspace_views
 from moe_grouped_decode.ops.cuda import graph_replay_us
 
@@ -74,8 +72,7 @@ def main(argv=None) -> int:
         print("concurrent_layers: needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    layers = [synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000 + i, device=device)
-              for i in range(LAYERS)]
+    layers = rotated_layers(LAYERS, torch.float16, device)
     blocks = floor_blocks(layers[0].tensors())
     gen = torch.Generator().manual_seed(0)
     lines = ["| M | streams | grouped us/layer | floor2 us/layer | grouped / floor2 | grouped vs 1 stream |",
@@ -100,11 +97,8 @@ def main(argv=None) -> int:
                 outs[i] = torch.ops.moe_grouped_decode.awq_moe_grouped_decode(
                     xs[i], tws[i], ids[i], *layers[i].op_args(), workspaces[s])
 
-            def floor2(i, s):
-                v = views[s]
-                grouped_kernels.compact(ids[i], v.sorted_rows, v.sorted_experts, v.active_experts,
-                                        v.segment_offsets, v.live_count)
-                read_active_experts(v.active_experts, v.live_count, sinks[s], max_active, layers[i].tensors())
+            def floor2_step(i, s):
+                floor2(ids[i], views[s], sinks[s], max_active, layers[i].tensors())
 
             grouped_us = graph_replay_us(over_streams(grouped, streams), LAYERS, args.reps)
             torch.cuda.synchronize()
@@ -113,7 +107,7 @@ def main(argv=None) -> int:
                     print(f"concurrent_layers: M={M} S={S} layer {i}: output differs from the layer run alone",
                           file=sys.stderr)
                     return 1
-            floor_us = graph_replay_us(over_streams(floor2, streams), LAYERS, args.reps)
+            floor_us = graph_replay_us(over_streams(floor2_step, streams), LAYERS, args.reps)
             if S == 1:
                 base = grouped_us
             lines.append(f"| {M} | {S} | {grouped_us:.2f} | {floor_us:.2f} | {grouped_us / floor_us:.2f} | "

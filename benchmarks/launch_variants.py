@@ -20,8 +20,7 @@ import triton
 import triton.language as tl
 
 import moe_grouped_decode.ops  # noqa: F401  (registers the ops)
-from moe_grouped_decode.awq import synthetic_moe_weights
-from moe_grouped_decode.bench import random_layer_inputs
+from moe_grouped_decode.bench import random_layer_inputs, rotated_layers
 from moe_grouped_decode.contract import QWEN38_TP4 as c
 from moe_grouped_decode.kernels import grouped
 from moe_grouped_decode.kernels.configs import GroupedConfig
@@ -53,10 +52,10 @@ def launch_gaps():
 
 def main():
     torch.manual_seed(0)
-    E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
+    E, k, K, N = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size
     t0 = time.time()
     launch_gaps()
-    layers = [synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000 + i, device="cuda") for i in range(LAYERS)]
+    layers = rotated_layers(LAYERS, torch.float16, "cuda")
     print(f"[variants] layers built in {time.time() - t0:.0f}s", flush=True)
     base = GroupedConfig(fused_combine=False, pdl=False)  # v4: W13, W2, combine
     variants = {

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from moe_grouped_decode.awq import synthetic_moe_weights
-from moe_grouped_decode.bench import random_layer_inputs
+from moe_grouped_decode.bench import random_layer_inputs, rotated_layers
 from moe_grouped_decode.contract import QWEN38_TP4 as c
 from moe_grouped_decode.kernels import configs, cuda_capability, grouped
 from moe_grouped_decode.ops import alloc_workspace, workspace_views
@@ -102,8 +101,7 @@ def main(argv=None) -> int:
         sys.exit(f"timeline: token counts {Ms}; the workspace here holds 1..8 tokens")
     gen = torch.Generator().manual_seed(0)
     workspace = alloc_workspace(8, k, K, N, "cuda")
-    layers = [synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000 + i, device="cuda")
-              for i in range(LAYERS)]
+    layers = rotated_layers(LAYERS, torch.float16, "cuda")
     results = {}
     for M in Ms:
         results[M] = measure(M, layers, workspace, gen, json.loads(args.fields))

@@ -180,12 +180,11 @@ def main(argv=None) -> int:
         check(kernel, device, interpret)
     if args.check_only:
         return 0
-    from moe_grouped_decode.bench import random_layer_inputs
+    from moe_grouped_decode.bench import random_layer_inputs, rotated_layers
     from moe_grouped_decode.ops.cuda import graph_replay_us
 
-    E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
-    layers = [synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000 + i, device=device)
-              for i in range(args.layers)]
+    E, k, K, G = c.num_experts, c.top_k, c.hidden_size, c.group_size
+    layers = rotated_layers(args.layers, torch.float16, device)
     pipelines = [VllmPipeline(kernel, w) for w in layers]
     gen = torch.Generator().manual_seed(0)
     table = []

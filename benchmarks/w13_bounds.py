@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 
 import moe_grouped_decode.ops  # noqa: F401  (registers the ops)
-from moe_grouped_decode.awq import synthetic_moe_weights
-from moe_grouped_decode.bench import random_layer_inputs
+from moe_grouped_decode.bench import random_layer_inputs, rotated_layers
 from moe_grouped_decode.contract import QWEN38_TP4 as c
 from moe_grouped_decode.kernels import configs, grouped
 from moe_grouped_decode.ops import alloc_workspace, workspace_views
@@ -58,7 +57,7 @@ def _read_w13_tiles(ids_ptr, qweight_ptr, scales_ptr, qzeros_ptr, sink_ptr, K: t
 
 def main():
     E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
-    layers = [synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=1000 + i, device="cuda") for i in range(LAYERS)]
+    layers = rotated_layers(LAYERS, torch.float16, "cuda")
     gen = torch.Generator().manual_seed(0)
     workspace = alloc_workspace(8, k, K, N, "cuda")
     sink = torch.empty(8 * k * 64 * 8, dtype=torch.int32, device="cuda")

@@ -45,6 +45,25 @@ def _random_routing(M: int, top_k: int, E: int, gen: torch.Generator):
     return ids, tw / tw.sum(1, keepdim=True)
 
 
+def rotated_layers(count: int, dtype, device):
+    """``count`` qwen3.8-tp4 layers of distinct synthetic weights (seeds 1000 + i), the layers every
+    benchmark rotates through one CUDA graph so that L2 stays cold."""
+    c = QWEN38_TP4
+    return [synthetic_moe_weights(c.num_experts, c.hidden_size, c.intermediate_size, c.group_size, dtype=dtype,
+                                  seed=1000 + i, device=device) for i in range(count)]
+
+
+def floor2(topk_ids, views, sink, max_active: int, tensors) -> None:
+    """The two-launch read floor of one layer: the compaction of ``topk_ids`` into the workspace
+    ``views``, then one launch streaming exactly the active experts' bytes of ``tensors``."""
+    from .kernels import grouped as grouped_kernels
+    from .kernels.read_floor import read_active_experts
+
+    grouped_kernels.compact(topk_ids, views.sorted_rows, views.sorted_experts, views.active_experts,
+                            views.segment_offsets, views.live_count)
+    read_active_experts(views.active_experts, views.live_count, sink, max_active, tensors)
+
+
 def random_layer_inputs(M: int, top_k: int, E: int, K: int, count: int, dtype, device, gen: torch.Generator):
     """``count`` decode steps of random routing and activations: lists of topk_ids, topk
     weights and x on ``device``, drawn from ``gen`` in one fixed order (every routing, then
@@ -63,17 +82,16 @@ def _vllm_status() -> str:
 
 
 def run(args) -> Dict:
-    from .kernels import grouped as grouped_kernels
     from .kernels.read_floor import floor_blocks, read_active_experts
     from .ops import alloc_workspace, workspace_views
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     c = QWEN38_TP4
-    E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
+    E, k, K, N = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size
     device = torch.device("cuda")
     t0 = time.time()
     print(f"[bench] generating {args.layers} layers of {c.name} weights on the GPU ...", flush=True)
-    layers = [synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=1000 + i, device=device) for i in range(args.layers)]
+    layers = rotated_layers(args.layers, dtype, device)
     per_expert = _expert_bytes(layers[0])
     vllm_note = _vllm_status()
     grouped_tokens = [int(m) for m in args.tokens.split(",") if m]
@@ -103,12 +121,10 @@ def run(args) -> Dict:
                 torch.ops.moe_grouped_decode.awq_moe_grouped_decode(
                     xs[layer], tws[layer], ids[layer], *layers[layer].op_args(), workspace)
 
-            def floor2(layer):
-                grouped_kernels.compact(ids[layer], views.sorted_rows, views.sorted_experts, views.active_experts,
-                                        views.segment_offsets, views.live_count)
-                read_active_experts(views.active_experts, views.live_count, sink, max_active, layers[layer].tensors())
+            def floor2_step(layer):
+                floor2(ids[layer], views, sink, max_active, layers[layer].tensors())
 
-            columns = {"grouped": grouped, "floor2": floor2, "floor1": floor1}
+            columns = {"grouped": grouped, "floor2": floor2_step, "floor1": floor1}
 
         def dense(layer):
             torch.ops.moe_grouped_decode.awq_moe_dense(xs[layer], tws[layer], ids[layer], *layers[layer].op_args())
