@@ -127,7 +127,10 @@ def _chunk_asm(bf16: bool, split_x: bool) -> str:
             lines += [f"mov.b32 {{h{2 * n}, h{2 * n + 1}}}, ${scales + n};",
                       f"cvt.f32.f16 s{2 * n}, h{2 * n};", f"cvt.f32.f16 s{2 * n + 1}, h{2 * n + 1};"]
         for c in range(4):
-            lines.append(f"mul.f32 ${4 * n + c}, d{4 * n + c}, s{2 * n + c // 2};")
+            # W2 (split_x): .rn, so ptxas cannot fuse the scale multiply into the caller's accumulate
+            # differently in the tl and Gluon W2 (their bits must agree); W13 keeps the fusable form
+            mul = "mul.rn.f32" if split_x else "mul.f32"
+            lines.append(f"{mul} ${4 * n + c}, d{4 * n + c}, s{2 * n + c // 2};")
     lines.append("}")
     return "\n".join(lines)
 

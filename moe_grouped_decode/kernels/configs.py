@@ -34,6 +34,7 @@ class GroupedConfig:
     # W13 as the Gluon kernel (w13_ring.py) with a shared-memory ring of this many 32-row chunks,
     # for 1-warp W13 programs where Gluon runs (grouped.uses_w13_ring); 0: the tl kernel. Same bits.
     w13_ring_stages: int = 4
+    w2_ring: bool = False  # W2 as the Gluon kernel (w2_ring.py), weights staged in shared memory
 
     @property
     def w13_chunks(self) -> int:

@@ -419,7 +419,17 @@ def grouped_decode(
             ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
             timeline_ptr=w13_stamps, TIMELINE=timeline is not None, num_warps=config.w13_warps,
         )
-    if "w2" in stages:
+    if "w2" in stages and config.w2_ring:
+        from . import w2_ring
+
+        w2_ring.w2_ring_kernel[(rows, w2_grid[1])](
+            topk_ids, scratch.gate_up_partials, w2_qweight, w2_scales, w2_qzeros, scratch.row_outputs, rows,
+            topk_weights, out, out.stride(0), scratch.combine_arrivals,
+            K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, CHUNKS_PAD=_next_pow2(N // 32), TOP_K=top_k,
+            IS_BF16=is_bf16, USE_PDL=use_pdl, num_warps=config.w2_warps, **launch_options(use_pdl),
+            **config.w2_compile_options(capability),
+        )
+    elif "w2" in stages:
         _w2_rows_kernel[w2_grid](
             topk_ids,
             scratch.gate_up_partials,
