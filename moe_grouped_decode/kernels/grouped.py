@@ -347,7 +347,7 @@ def compact(topk_ids, sorted_rows, sorted_experts, active_experts, segment_offse
 def _grids(rows: int, K: int, N: int, config: GroupedConfig, ring: bool) -> Tuple[int, Tuple[int, int]]:
     """Programs of the W13 launch and the W2 launch's (rows, column tiles) grid."""
     w13_programs = 1 + rows * config.w13_splits(K) * (2 * N // 8 // TILE_WORDS.value)
-    return w13_programs, (rows, triton.cdiv(K, config.w2_block_k))  # EXPERIMENT: the ring W13 compacts
+    return w13_programs, (rows + int(ring), triton.cdiv(K, config.w2_block_k))
 
 
 def alloc_timeline(num_tokens: int, top_k: int, hidden_size: int, intermediate_size: int, config: GroupedConfig,
@@ -413,8 +413,6 @@ def grouped_decode(
         w13_ring.w13_ring_kernel[(w13_programs,)](
             hidden_states, hidden_states.stride(0), topk_ids, w13_qweight, w13_scales, w13_qzeros,
             scratch.gate_up_partials, rows, scratch.combine_arrivals, num_arrivals, w13_stamps,
-            scratch.sorted_rows, scratch.sorted_experts, scratch.active_experts, scratch.segment_offsets,
-            scratch.live_count, R_PAD=max(16, _next_pow2(rows)),
             TOP_K=top_k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, CHUNKS_PAD=_next_pow2(config.w13_chunks),
             SPLITS=splits, STAGES=config.w13_ring_stages,
             ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
@@ -441,7 +439,7 @@ def grouped_decode(
             scratch.sorted_rows, scratch.sorted_experts, scratch.active_experts, scratch.segment_offsets,
             scratch.live_count, w2_stamps,
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, CHUNKS_PAD=_next_pow2(N // CHUNK_ROWS.value),
-            TOP_K=top_k, IS_BF16=is_bf16, USE_PDL=use_pdl, COMPACT=False, R_PAD=max(16, _next_pow2(rows)),
+            TOP_K=top_k, IS_BF16=is_bf16, USE_PDL=use_pdl, COMPACT=ring, R_PAD=max(16, _next_pow2(rows)),
             TIMELINE=timeline is not None, num_warps=config.w2_warps, **launch_options(use_pdl),
             **config.w2_compile_options(capability),
         )
@@ -457,7 +455,7 @@ def grouped_decode(
             scratch.live_count,
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=_next_pow2(N), TOP_K=top_k,
             IS_BF16=is_bf16, FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
-            COMPACT=False, R_PAD=max(16, _next_pow2(rows)), timeline_ptr=w2_stamps, TIMELINE=timeline is not None,
+            COMPACT=ring, R_PAD=max(16, _next_pow2(rows)), timeline_ptr=w2_stamps, TIMELINE=timeline is not None,
             num_warps=config.w2_warps, **launch_options(use_pdl), **config.w2_compile_options(capability),
         )
     if not config.fused_combine and "combine" in stages:

@@ -42,56 +42,13 @@ if AVAILABLE:
         """kernels.timeline.now, in Gluon."""
         return gl.inline_asm_elementwise(GLOBALTIMER_PTX, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
-    _PAD_KEY = gl.constexpr(1 << 62)  # noqa  # sort key of padding rows: past every (expert, row) key
-
-    @gluon.jit
-    def _compact_rows(ids_ptr, rows, sorted_rows_ptr, opens_ptr, active_experts_ptr, segment_offsets_ptr,
-                      live_count_ptr, R_PAD: gl.constexpr, WARPS: gl.constexpr):
-        """grouped._compact_rows without a sort: a row's sorted position is the number of (expert,
-        row) keys below its own; it opens a segment if no earlier row has its expert, and the
-        segment's number is the count of openers with a smaller expert. ``opens_ptr``: R int32 of
-        scratch (the opener flags, read back by every thread)."""
-        BLOCK: gl.constexpr = 16
-        pair: gl.constexpr = gl.BlockedLayout([1, BLOCK], [32, 1], [WARPS, 1], [1, 0])
-        r = gl.arange(0, R_PAD, layout=gl.SliceLayout(1, pair))
-        valid = r < rows
-        expert = gl.load(ids_ptr + r, mask=valid, other=0).to(gl.int64)
-        key = gl.where(valid, expert * R_PAD + r, _PAD_KEY)
-        rank = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
-        earlier_same = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
-        for b in range(0, R_PAD, BLOCK):
-            o = b + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, pair))
-            o_valid = o < rows
-            o_expert = gl.load(ids_ptr + o, mask=o_valid, other=0).to(gl.int64)
-            o_key = gl.where(o_valid, o_expert * R_PAD + o, _PAD_KEY)
-            rank += gl.sum((o_key[None, :] < key[:, None]).to(gl.int32), axis=1)
-            earlier_same += gl.sum(((o_expert[None, :] == expert[:, None]) & (o_key[None, :] < key[:, None]))
-                                   .to(gl.int32), axis=1)
-        opens = valid & (earlier_same == 0)
-        gl.store(sorted_rows_ptr + rank, r, mask=valid)
-        gl.store(opens_ptr + r, opens.to(gl.int32), mask=valid)
-        gl.thread_barrier()  # every row's opener flag is written before any thread counts them
-        segment = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
-        for b in range(0, R_PAD, BLOCK):
-            o = b + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, pair))
-            o_valid = o < rows
-            o_expert = gl.load(ids_ptr + o, mask=o_valid, other=0).to(gl.int64)
-            o_opens = gl.load(opens_ptr + o, mask=o_valid, other=0) != 0
-            segment += gl.sum((o_opens[None, :] & (o_expert[None, :] < expert[:, None])).to(gl.int32), axis=1)
-        gl.store(active_experts_ptr + segment, expert.to(gl.int32), mask=opens)
-        gl.store(segment_offsets_ptr + segment, rank, mask=opens)
-        live = gl.sum(opens.to(gl.int32), axis=0)
-        gl.store(segment_offsets_ptr + live, rows)
-        gl.store(live_count_ptr, live)
-
     @gluon.jit
     def w13_ring_kernel(
         x_ptr, stride_xm, ids_ptr, qweight_ptr, scales_ptr, qzeros_ptr, partials_ptr, rows, arrivals_ptr,
         num_arrivals, timeline_ptr,
-        sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr,
         TOP_K: gl.constexpr, K: gl.constexpr, TWO_N: gl.constexpr, G: gl.constexpr, CHUNKS: gl.constexpr,
         CHUNKS_PAD: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr, ARRIVALS_PAD: gl.constexpr,
-        IS_BF16: gl.constexpr, USE_PDL: gl.constexpr, TIMELINE: gl.constexpr, R_PAD: gl.constexpr,
+        IS_BF16: gl.constexpr, USE_PDL: gl.constexpr, TIMELINE: gl.constexpr,
     ):
         """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols]
         (one warp; program 1 + (row * SPLITS + s) * TILES + tile, as grouped._w13_kernel)."""
@@ -103,8 +60,6 @@ if AVAILABLE:
         if TIMELINE:
             gl.store(stamps, _now())
         if pid == 0:
-            _compact_rows(ids_ptr, rows, sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr,
-                          segment_offsets_ptr, live_count_ptr, R_PAD, 1)
             if ARRIVALS_PAD > 0:
                 flat: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
                 a = gl.arange(0, ARRIVALS_PAD, layout=flat)

@@ -33,7 +33,49 @@ from .awq_mma import CHUNK_CONSTRAINTS_SPLIT_X, CHUNK_PTX_BF16_SPLIT_X_RN, CHUNK
 from .timeline import W2_STAMP_COUNT
 
 if AVAILABLE:
-    from .w13_ring import _compact_rows, _now
+    from .w13_ring import _now
+
+    _PAD_KEY = gl.constexpr(1 << 62)  # sort key of padding rows: past every (expert, row) key
+
+    @gluon.jit
+    def _compact_rows(ids_ptr, rows, sorted_rows_ptr, opens_ptr, active_experts_ptr, segment_offsets_ptr,
+                      live_count_ptr, R_PAD: gl.constexpr, WARPS: gl.constexpr):
+        """grouped._compact_rows without a sort: a row's sorted position is the number of (expert,
+        row) keys below its own; it opens a segment if no earlier row has its expert, and the
+        segment's number is the count of openers with a smaller expert. ``opens_ptr``: R int32 of
+        scratch (the opener flags, read back by every thread)."""
+        BLOCK: gl.constexpr = 16
+        pair: gl.constexpr = gl.BlockedLayout([1, BLOCK], [32, 1], [WARPS, 1], [1, 0])
+        r = gl.arange(0, R_PAD, layout=gl.SliceLayout(1, pair))
+        valid = r < rows
+        expert = gl.load(ids_ptr + r, mask=valid, other=0).to(gl.int64)
+        key = gl.where(valid, expert * R_PAD + r, _PAD_KEY)
+        rank = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
+        earlier_same = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
+        for b in range(0, R_PAD, BLOCK):
+            o = b + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, pair))
+            o_valid = o < rows
+            o_expert = gl.load(ids_ptr + o, mask=o_valid, other=0).to(gl.int64)
+            o_key = gl.where(o_valid, o_expert * R_PAD + o, _PAD_KEY)
+            rank += gl.sum((o_key[None, :] < key[:, None]).to(gl.int32), axis=1)
+            earlier_same += gl.sum(((o_expert[None, :] == expert[:, None]) & (o_key[None, :] < key[:, None]))
+                                   .to(gl.int32), axis=1)
+        opens = valid & (earlier_same == 0)
+        gl.store(sorted_rows_ptr + rank, r, mask=valid)
+        gl.store(opens_ptr + r, opens.to(gl.int32), mask=valid)
+        gl.thread_barrier()  # every row's opener flag is written before any thread counts them
+        segment = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
+        for b in range(0, R_PAD, BLOCK):
+            o = b + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, pair))
+            o_valid = o < rows
+            o_expert = gl.load(ids_ptr + o, mask=o_valid, other=0).to(gl.int64)
+            o_opens = gl.load(opens_ptr + o, mask=o_valid, other=0) != 0
+            segment += gl.sum((o_opens[None, :] & (o_expert[None, :] < expert[:, None])).to(gl.int32), axis=1)
+        gl.store(active_experts_ptr + segment, expert.to(gl.int32), mask=opens)
+        gl.store(segment_offsets_ptr + segment, rank, mask=opens)
+        live = gl.sum(opens.to(gl.int32), axis=0)
+        gl.store(segment_offsets_ptr + live, rows)
+        gl.store(live_count_ptr, live)
 
     @gluon.jit
     def w2_ring_kernel(
