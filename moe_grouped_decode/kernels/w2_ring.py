@@ -29,49 +29,55 @@ try:
 except ImportError:  # a Triton without Gluon: the tl W2 serves every config
     AVAILABLE = False
 
+
 from .awq_mma import CHUNK_CONSTRAINTS_SPLIT_X, CHUNK_PTX_BF16_SPLIT_X_RN, CHUNK_PTX_F16_SPLIT_X_RN
 from .timeline import W2_STAMP_COUNT
 
 if AVAILABLE:
     from .w13_ring import _now
 
-    _PAD_KEY = gl.constexpr(1 << 62)  # sort key of padding rows: past every (expert, row) key
-
     @gluon.jit
-    def _compact_rows(ids_ptr, rows, sorted_rows_ptr, opens_ptr, active_experts_ptr, segment_offsets_ptr,
-                      live_count_ptr, R_PAD: gl.constexpr, WARPS: gl.constexpr):
+    def _compact_rows(ids_ptr, rows, sorted_rows_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr,
+                      R_PAD: gl.constexpr, WARPS: gl.constexpr):
         """grouped._compact_rows without a sort: a row's sorted position is the number of (expert,
-        row) keys below its own; it opens a segment if no earlier row has its expert, and the
-        segment's number is the count of openers with a smaller expert. ``opens_ptr``: R int32 of
-        scratch (the opener flags, read back by every thread)."""
+        row) keys below its own; it opens a segment if no row with a smaller key has its expert, and
+        the segment's number is the count of openers with a smaller expert. The rows are compared
+        BLOCK at a time against copies in shared memory (no global load inside the loops, few
+        registers: the kernel's register count is the largest of its paths)."""
         BLOCK: gl.constexpr = 16
         pair: gl.constexpr = gl.BlockedLayout([1, BLOCK], [32, 1], [WARPS, 1], [1, 0])
+        blocks: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         r = gl.arange(0, R_PAD, layout=gl.SliceLayout(1, pair))
         valid = r < rows
-        expert = gl.load(ids_ptr + r, mask=valid, other=0).to(gl.int64)
-        key = gl.where(valid, expert * R_PAD + r, _PAD_KEY)
+        expert = gl.load(ids_ptr + r, mask=valid, other=0)
+        key = gl.where(valid, expert * R_PAD + r, 2**31 - 1)  # padding rows sort last; E * R_PAD < 2^31
+        keys = gl.allocate_shared_memory(gl.int32, [R_PAD // BLOCK, BLOCK], blocks,
+                                         gl.reshape(key, [R_PAD // BLOCK, BLOCK]))
+        experts = gl.allocate_shared_memory(gl.int32, [R_PAD // BLOCK, BLOCK], blocks,
+                                            gl.reshape(expert, [R_PAD // BLOCK, BLOCK]))
+        per_block: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # indexable by block
+        keys = keys._reinterpret(gl.int32, [R_PAD // BLOCK, BLOCK], per_block)
+        experts = experts._reinterpret(gl.int32, [R_PAD // BLOCK, BLOCK], per_block)
+        gl.thread_barrier()  # every row's key is in shared memory before any thread compares
         rank = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
         earlier_same = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
-        for b in range(0, R_PAD, BLOCK):
-            o = b + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, pair))
-            o_valid = o < rows
-            o_expert = gl.load(ids_ptr + o, mask=o_valid, other=0).to(gl.int64)
-            o_key = gl.where(o_valid, o_expert * R_PAD + o, _PAD_KEY)
-            rank += gl.sum((o_key[None, :] < key[:, None]).to(gl.int32), axis=1)
-            earlier_same += gl.sum(((o_expert[None, :] == expert[:, None]) & (o_key[None, :] < key[:, None]))
-                                   .to(gl.int32), axis=1)
+        for b in range(R_PAD // BLOCK):
+            o_key = keys.index(b).load(gl.SliceLayout(0, pair))[None, :]
+            o_expert = experts.index(b).load(gl.SliceLayout(0, pair))[None, :]
+            below = o_key < key[:, None]
+            rank += gl.sum(below.to(gl.int32), axis=1)
+            earlier_same += gl.sum((below & (o_expert == expert[:, None])).to(gl.int32), axis=1)
         opens = valid & (earlier_same == 0)
-        gl.store(sorted_rows_ptr + rank, r, mask=valid)
-        gl.store(opens_ptr + r, opens.to(gl.int32), mask=valid)
-        gl.thread_barrier()  # every row's opener flag is written before any thread counts them
+        opener_experts = gl.allocate_shared_memory(gl.int32, [R_PAD // BLOCK, BLOCK], blocks,
+                                                   gl.reshape(gl.where(opens, expert, 2**31 - 1), [R_PAD // BLOCK, BLOCK]))
+        opener_experts = opener_experts._reinterpret(gl.int32, [R_PAD // BLOCK, BLOCK], per_block)
+        gl.thread_barrier()  # every row's opener flag is in shared memory before any thread counts them
         segment = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
-        for b in range(0, R_PAD, BLOCK):
-            o = b + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, pair))
-            o_valid = o < rows
-            o_expert = gl.load(ids_ptr + o, mask=o_valid, other=0).to(gl.int64)
-            o_opens = gl.load(opens_ptr + o, mask=o_valid, other=0) != 0
-            segment += gl.sum((o_opens[None, :] & (o_expert[None, :] < expert[:, None])).to(gl.int32), axis=1)
-        gl.store(active_experts_ptr + segment, expert.to(gl.int32), mask=opens)
+        for b in range(R_PAD // BLOCK):
+            o_opener = opener_experts.index(b).load(gl.SliceLayout(0, pair))[None, :]
+            segment += gl.sum((o_opener < expert[:, None]).to(gl.int32), axis=1)
+        gl.store(sorted_rows_ptr + rank, r, mask=valid)
+        gl.store(active_experts_ptr + segment, expert, mask=opens)
         gl.store(segment_offsets_ptr + segment, rank, mask=opens)
         live = gl.sum(opens.to(gl.int32), axis=0)
         gl.store(segment_offsets_ptr + live, rows)
@@ -97,8 +103,8 @@ if AVAILABLE:
         if COMPACT:
             if row == rows:
                 if tile == 0:
-                    _compact_rows(ids_ptr, rows, sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr,
-                                  segment_offsets_ptr, live_count_ptr, R_PAD, WARPS)
+                    _compact_rows(ids_ptr, rows, sorted_rows_ptr, active_experts_ptr, segment_offsets_ptr,
+                                  live_count_ptr, R_PAD, WARPS)
                 if TIMELINE:
                     gl.store(stamps + 4, _now())
                 return
