@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moe_grouped_decode.contract import QWEN38_TP4 as c
-from moe_grouped_decode.kernels import grouped, w13_ring
+from moe_grouped_decode.kernels import grouped, w13_ring, w2_ring
 from moe_grouped_decode.kernels import configs
 from moe_grouped_decode.kernels.configs import QWEN38_TP4_SHAPE
 
@@ -165,12 +165,21 @@ def launched_kernels(dtype, M, timeline=False):
     w13_tile = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=16, ARRIVALS_PAD=0), pointers,
                               config.w13_warps, w13_ints)
     yield f"M={M} {dtype} w13-tl-tile-path", w13_tile, w13_weights, None, config.w13_warps, True
-    w2 = compile_kernel(grouped._w2_rows_kernel, dict(
-        K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, N_PAD=grouped._next_pow2(N),
-        TOP_K=k, IS_BF16=dtype == "bf16", FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
-        COMPACT=ring, R_PAD=max(16, grouped._next_pow2(rows)), TIMELINE=timeline), pointers,
-        config.w2_warps, dict(rows=rows, stride_om=K), config.w2_compile_options(capability))
-    yield f"M={M} {dtype} w2", w2, N * config.w2_block_k, w2_grid[0] * w2_grid[1], config.w2_warps, True
+    w2_consts = dict(K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, TOP_K=k,
+                     IS_BF16=dtype == "bf16", USE_PDL=use_pdl, COMPACT=ring, R_PAD=max(16, grouped._next_pow2(rows)),
+                     TIMELINE=timeline)
+    if grouped.uses_w2_ring(config, capability, K):
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        w2 = compile_kernel(w2_ring.w2_ring_kernel, dict(w2_consts, CHUNKS_PAD=grouped._next_pow2(N // 32)),
+                            pointers, config.w2_warps, dict(rows=rows, stride_om=K),
+                            config.w2_compile_options(capability), source=GluonASTSource)
+    else:
+        w2 = compile_kernel(grouped._w2_rows_kernel, dict(w2_consts, N_PAD=grouped._next_pow2(N),
+                                                          FUSED_COMBINE=config.fused_combine), pointers,
+                            config.w2_warps, dict(rows=rows, stride_om=K), config.w2_compile_options(capability))
+    yield (f"M={M} {dtype} w2", w2, N * config.w2_block_k, w2_grid[0] * w2_grid[1], config.w2_warps,
+           not grouped.uses_w2_ring(config, capability, K))
 
 
 def timer_reads(kernel) -> int:

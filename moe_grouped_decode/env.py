@@ -9,8 +9,9 @@
     ``1``: opt-in autotune of small shapes at warmup. Default off.
 ``VLLM_AWQ_MOE_GROUPED_DECODE_GLUON``
     unset or ``1``: the grouped op's W13 runs as the Gluon kernel (``kernels/w13_ring.py``)
-    where Gluon runs. ``0``: the ``tl`` W13 everywhere, with its own (v8) table: the rollback
-    should Triton's experimental Gluon misbehave (same bits at the same split).
+    where Gluon runs, and so does W2 where the config asks (``kernels/w2_ring.py``, M = 8's
+    table entry). ``0``: the ``tl`` kernels everywhere, with their own (v8) table: the
+    rollback should Triton's experimental Gluon misbehave.
 """
 
 from __future__ import annotations

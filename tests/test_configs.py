@@ -52,7 +52,8 @@ def test_w2_register_cap_applies_from_hopper_on(capability, expected):
 @pytest.mark.parametrize("ring", [True, False])  # the Gluon W13 available (a GPU with Gluon) or not
 def test_candidates_hold_the_register_cap_only_where_it_applies(ring):
     hopper, ampere = configs.grouped_candidates((9, 0), ring), configs.grouped_candidates((8, 0), ring)
-    assert len(set(hopper)) == len(hopper) == 2 * len(ampere)
+    tl_w2 = [c for c in hopper if not c.w2_ring]
+    assert len(set(hopper)) == len(hopper) and len(tl_w2) == 2 * len([c for c in ampere if not c.w2_ring])
     assert {c.w2_max_registers for c in ampere} == {0}  # the cap is a no-op there: no duplicate timings
     assert set(ampere) < set(hopper)
 
@@ -62,6 +63,8 @@ def test_candidates_ask_for_the_ring_only_where_it_runs():
     # without Gluon a ring depth would silently time the tl kernel twice
     assert {c.w13_ring_stages for c in without} == {0}
     assert {c.w13_ring_stages for c in with_ring} == {2, 4}
+    assert {c.w2_ring for c in without} == {False}  # nor the Gluon W2
+    assert {(c.w2_warps, c.w2_max_registers) for c in with_ring if c.w2_ring} == {(8, 0)}
     # the ring candidates' splits tile K = 2560 (no masked chunks) and need no fitting
     assert all(K % c.w13_block_k == 0 and c == c.fitted(K) for c in with_ring)
 

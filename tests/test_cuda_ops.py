@@ -18,7 +18,7 @@ import torch
 from moe_grouped_decode.awq import slice_tp, synthetic_moe_weights
 from moe_grouped_decode.contract import QWEN38_TP4
 from moe_grouped_decode.env import GLUON_W13_ENV
-from moe_grouped_decode.kernels import w13_ring
+from moe_grouped_decode.kernels import w13_ring, w2_ring
 from moe_grouped_decode.ops import alloc_workspace, error_stats, reference_moe, reference_segments, workspace_views
 
 pytestmark = [
@@ -237,7 +237,9 @@ LAUNCH_VARIANTS = [
 @pytest.mark.parametrize("fused_combine,pdl", LAUNCH_VARIANTS)
 def test_launch_variants_give_the_default_bits(layer, workspace, fused_combine, pdl):
     """Fusing the combine and PDL change launches, not arithmetic: the same bits as the
-    default config (fused + PDL), on routing where tokens share experts."""
+    default launches (fused + PDL) at M = 8's table config with the tl W2 (the Gluon W2 runs only
+    with the combine fused; test_ring_w2_gives_the_tl_kernels_bits covers it), on routing where
+    tokens share experts."""
     import dataclasses
 
     from moe_grouped_decode.kernels import configs
@@ -248,14 +250,17 @@ def test_launch_variants_give_the_default_bits(layer, workspace, fused_combine, 
     M = 8
     x = activations(M, weights.dtype, gen)
     ids, tw = routing("round_robin", M, gen)
-    default = run_grouped(x, tw, ids, weights, workspace).clone()
     shape = (E, TOP_K, K, N, G)
     dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[weights.dtype]
-    config = dataclasses.replace(configs.grouped_config(shape, dtype_name, M), fused_combine=fused_combine, pdl=pdl)
-    out = torch.full_like(x, float("nan"))
-    workspace.fill_(-1)
-    launch_grouped(x, tw, ids, *weights.op_args(), workspace, out, config)
-    assert torch.equal(out.view(torch.int16), default.view(torch.int16))
+    default = dataclasses.replace(configs.grouped_config(shape, dtype_name, M), w2_ring=False)
+    outs = []
+    for config in (default, dataclasses.replace(default, fused_combine=fused_combine, pdl=pdl)):
+        out = torch.full_like(x, float("nan"))
+        workspace.fill_(-1)
+        launch_grouped(x, tw, ids, *weights.op_args(), workspace, out, config)
+        outs.append(out)
+    assert not torch.isnan(outs[0]).any()
+    assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16))
 
 
 # (M, W13 split rows): why
@@ -297,17 +302,78 @@ def test_ring_w13_gives_the_tl_kernels_bits(layer, workspace, M, split, monkeypa
         assert torch.equal(outs[stages].view(torch.int16), outs[0].view(torch.int16)), f"ring {stages}"
 
 
+class _WithRnScale:
+    """The tl W2 kernel launched with RN_SCALE: its scale multiply rounded on its own, as the
+    Gluon W2's is (the shipped tl W2 lets ptxas fuse it into the accumulate)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, RN_SCALE=True, **kwargs)
+
+
+# (M, W2 warps, W13 ring stages): why
+W2_RING_CASES = [
+    (8, 8, 2),  # M = 8's table config: after the Gluon W13, so the W2 launch writes the compaction
+    (2, 4, 4),  # 4-warp programs, 20 rows
+    (5, 8, 0),  # after the tl W13 (it sorts: no compaction row), a token count off the table
+]
+
+
+@pytest.mark.skipif(not w2_ring.AVAILABLE, reason="needs Triton's Gluon")
+@pytest.mark.parametrize("M,warps,stages", W2_RING_CASES)
+def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, monkeypatch):
+    """The Gluon W2 (kernels/w2_ring.py: weights staged in shared memory) runs the tl W2's
+    fragments, sums and combine: the same bits as the tl W2 with RN_SCALE, on routing where tokens
+    share experts; its compaction (counted, not sorted) is the reference's."""
+    import dataclasses
+
+    from moe_grouped_decode.kernels import configs, cuda_capability, grouped
+    from moe_grouped_decode.ops.cuda import launch_grouped
+
+    monkeypatch.delenv(GLUON_W13_ENV, raising=False)  # the switch off would make every run the tl one
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(17 + M)
+    x = activations(M, weights.dtype, gen)
+    ids, tw = routing("round_robin", M, gen)
+    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[weights.dtype]
+    base = dataclasses.replace(configs.grouped_config((E, TOP_K, K, N, G), dtype_name, M), w2_warps=warps,
+                               w2_max_registers=0, w13_ring_stages=stages).fitted(K)
+    want = reference_segments(ids)
+    outs = {}
+    for ring in (False, True):
+        config = dataclasses.replace(base, w2_ring=ring)
+        assert grouped.uses_w2_ring(config, cuda_capability(x.device), K) == ring
+        out = torch.full_like(x, float("nan"))
+        workspace.fill_(-1)
+        with monkeypatch.context() as patch:
+            if not ring:
+                patch.setattr(grouped, "_w2_rows_kernel", _WithRnScale(grouped._w2_rows_kernel))
+            launch_grouped(x, tw, ids, *weights.op_args(), workspace, out, config)
+        outs[ring] = out
+        views = workspace_views(workspace, M * TOP_K, K, N)
+        A = int(views.live_count[0])
+        assert views.active_experts[:A].tolist() == want.active_experts, f"w2_ring={ring}"
+        assert views.segment_offsets[: A + 1].tolist() == want.segment_offsets, f"w2_ring={ring}"
+        assert views.sorted_rows[: M * TOP_K].tolist() == want.sorted_rows, f"w2_ring={ring}"
+    assert not torch.isnan(outs[False]).any()
+    assert torch.equal(outs[True].view(torch.int16), outs[False].view(torch.int16))
+    assert_close(f"grouped {weights.dtype} M={M} Gluon W2 ({warps} warps)", outs[True], x, tw, ids, cpu_weights)
+
+
 @pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")
 def test_gluon_switch_off_runs_the_tl_w13(layer, workspace, monkeypatch):
-    """VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0 (the rollback): the op never launches the Gluon W13
-    and still matches the reference."""
+    """VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0 (the rollback): the op launches neither Gluon kernel
+    (W13 nor, at M = 8's table config, W2) and still matches the reference."""
 
     class Forbidden:
         def __getitem__(self, grid):
-            raise AssertionError("the Gluon W13 was launched with the switch off")
+            raise AssertionError("a Gluon kernel was launched with the switch off")
 
     monkeypatch.setenv(GLUON_W13_ENV, "0")
     monkeypatch.setattr(w13_ring, "w13_ring_kernel", Forbidden())
+    monkeypatch.setattr(w2_ring, "w2_ring_kernel", Forbidden())
     weights, cpu_weights = layer
     gen = torch.Generator().manual_seed(11)
     x = activations(8, weights.dtype, gen)

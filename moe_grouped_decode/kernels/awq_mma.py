@@ -55,10 +55,11 @@ TILE_WORDS = tl.constexpr(8)  # packed int32 columns per warp (one per lane grou
 _LO, _HI = "0x000F000F", "0x00F000F0"
 
 
-def _chunk_asm(bf16: bool, split_x: bool) -> str:
+def _chunk_asm(bf16: bool, split_x: bool, rn_scale: bool = False) -> str:
     """PTX for one awq_mma_chunk: operands $0..$15 outputs (d_lo then d_hi), then the
     8 words, the 16-bit x pairs (4 registers, 4 more for SPLIT_X's lo halves), 4 scale
-    pairs and 8 copies of the zero word."""
+    pairs and 8 copies of the zero word. ``rn_scale``: the scale multiply as mul.rn (never
+    contracted with the caller's accumulate)."""
     kind = "bf16" if bf16 else "f16"
     words, x = 16, 24
     x_lo = 28 if split_x else None
@@ -127,7 +128,10 @@ def _chunk_asm(bf16: bool, split_x: bool) -> str:
             lines += [f"mov.b32 {{h{2 * n}, h{2 * n + 1}}}, ${scales + n};",
                       f"cvt.f32.f16 s{2 * n}, h{2 * n};", f"cvt.f32.f16 s{2 * n + 1}, h{2 * n + 1};"]
         for c in range(4):
-            lines.append(f"mul.f32 ${4 * n + c}, d{4 * n + c}, s{2 * n + c // 2};")
+            # rn_scale: .rn, so ptxas cannot fuse the scale multiply into the caller's accumulate (the
+            # Gluon W2 uses it; the tl W2 can, to give the same bits, in the test that compares them)
+            mul = "mul.rn.f32" if rn_scale else "mul.f32"
+            lines.append(f"{mul} ${4 * n + c}, d{4 * n + c}, s{2 * n + c // 2};")
     lines.append("}")
     return "\n".join(lines)
 
@@ -142,6 +146,8 @@ CHUNK_PTX_F16 = tl.constexpr(_chunk_asm(False, False))
 CHUNK_PTX_F16_SPLIT_X = tl.constexpr(_chunk_asm(False, True))
 CHUNK_PTX_BF16 = tl.constexpr(_chunk_asm(True, False))
 CHUNK_PTX_BF16_SPLIT_X = tl.constexpr(_chunk_asm(True, True))
+CHUNK_PTX_F16_SPLIT_X_RN = tl.constexpr(_chunk_asm(False, True, rn_scale=True))
+CHUNK_PTX_BF16_SPLIT_X_RN = tl.constexpr(_chunk_asm(True, True, rn_scale=True))
 CHUNK_CONSTRAINTS = tl.constexpr(_constraints(False))
 CHUNK_CONSTRAINTS_SPLIT_X = tl.constexpr(_constraints(True))
 
@@ -171,13 +177,22 @@ def _emulated_chunk(words, x, scales, zeros, WARPS: tl.constexpr):
 
 @triton.jit
 def awq_mma_chunk(words, x_hi, x_lo, scales, zeros, IS_BF16: tl.constexpr, SPLIT_X: tl.constexpr,
-                  WARPS: tl.constexpr):
+                  WARPS: tl.constexpr, RN_SCALE: tl.constexpr = False):
     """One 32-row chunk of a warp's 64 columns (layout in the module docstring), for every
     warp of the program: ``words`` int32, ``x_hi`` / ``x_lo`` 16-bit and ``scales`` [32 * WARPS, 8],
     ``zeros`` int32 [32 * WARPS, 1]. Returns float32 (d_lo, d_hi) [32 * WARPS, 8]; ``x_lo`` is
-    read only with SPLIT_X (x = x_hi + x_lo)."""
+    read only with SPLIT_X (x = x_hi + x_lo). RN_SCALE (with SPLIT_X): the Gluon W2's PTX."""
     if _INLINE_PTX:
-        if SPLIT_X:
+        if SPLIT_X and RN_SCALE:
+            if IS_BF16:
+                return tl.inline_asm_elementwise(CHUNK_PTX_BF16_SPLIT_X_RN, CHUNK_CONSTRAINTS_SPLIT_X,
+                                                 [words, x_hi, x_lo, scales, zeros],
+                                                 dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
+            else:
+                return tl.inline_asm_elementwise(CHUNK_PTX_F16_SPLIT_X_RN, CHUNK_CONSTRAINTS_SPLIT_X,
+                                                 [words, x_hi, x_lo, scales, zeros],
+                                                 dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
+        elif SPLIT_X:
             if IS_BF16:
                 return tl.inline_asm_elementwise(CHUNK_PTX_BF16_SPLIT_X, CHUNK_CONSTRAINTS_SPLIT_X,
                                                  [words, x_hi, x_lo, scales, zeros],

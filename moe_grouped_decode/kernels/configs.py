@@ -34,6 +34,9 @@ class GroupedConfig:
     # W13 as the Gluon kernel (w13_ring.py) with a shared-memory ring of this many 32-row chunks,
     # for 1-warp W13 programs where Gluon runs (grouped.uses_w13_ring); 0: the tl kernel. Same bits.
     w13_ring_stages: int = 4
+    # W2 as the Gluon kernel (w2_ring.py: weights staged in shared memory, not registers) where
+    # Gluon runs (grouped.uses_w2_ring); same bits as the tl W2 with RN_SCALE
+    w2_ring: bool = False
 
     @property
     def w13_chunks(self) -> int:
@@ -92,11 +95,12 @@ QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 # docs/bench/explorations.md runs 11-12 for W2, 25-26 for the W13 ring): the ring W13 wants longer splits than v8's tl kernel (256
 # rows at M = 2 and 4, 512 at M = 8, splits that tile K = 2560 exactly); more tokens want fewer
 # splits (every W2 program sums its row's splits again); the W2 register cap (four 4-warp
-# programs per SM instead of three) pays ~1.2 us at M = 4 and is within noise at M = 8.
+# programs per SM instead of three) pays ~1.2 us at M = 4. At M = 8 the Gluon W2 with 8-warp
+# programs wins by 1.0-1.4 us (runs 27 and 46); at M = 2 and 4 it loses.
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
     2: GroupedConfig(w13_block_k=256, w2_warps=8, w13_ring_stages=4),
     4: GroupedConfig(w13_block_k=256, w2_warps=4, w2_max_registers=128, w13_ring_stages=4),
-    8: GroupedConfig(w13_block_k=512, w2_warps=4, w2_max_registers=128, w13_ring_stages=2),
+    8: GroupedConfig(w13_block_k=512, w2_warps=8, w13_ring_stages=2, w2_ring=True),
 }
 # Where the Gluon W13 does not run (no Gluon, VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0): v8's table for
 # the tl W13, which wants shorter splits (run 25: the tl W13 at 256 rows is 2 us slower at M = 2).
@@ -117,7 +121,7 @@ def _safe(text: str) -> str:
 
 # Part of the cache file name: a kernel change that moves the timings bumps it, so configs
 # tuned for older kernels are not read back.
-KERNELS_VERSION = "v9"
+KERNELS_VERSION = "v10"
 
 
 def cache_path(gpu_name: str, triton_version: str) -> Path:
@@ -197,16 +201,17 @@ def grouped_candidates(capability: Tuple[int, int], ring: bool) -> Tuple[Grouped
     compute ``capability`` (the register cap only where it applies: w2_compile_options); with
     ``ring`` (the Gluon W13 runs there), W13 splits of 128 / 256 / 512 rows (they tile qwen3.8's
     K = 2560; elsewhere the last split masks its chunks past K) and ring depths 2 and 4 (the range
-    that won in explorations run 25), else the tl W13's splits."""
+    that won in explorations run 25) and also the Gluon W2 with 8-warp programs (the size that
+    won in runs 27 and 46), else the tl W13's splits and the tl W2."""
     caps = (0, 128) if GroupedConfig(w2_max_registers=128).w2_compile_options(capability) else (0,)
     w13 = ([(rows, stages) for rows in (128, 256, 512) for stages in (2, 4)] if ring
            else [(rows, 0) for rows in (128, 192, 256, 384, 512)])
+    w2 = [(False, warps, cap) for warps in (4, 8) for cap in caps] + ([(True, 8, 0)] if ring else [])
     return tuple(
         GroupedConfig(w13_block_k=w13_block_k, w13_ring_stages=stages, w2_warps=w2_warps,
-                      w2_max_registers=w2_max_registers)
+                      w2_max_registers=w2_max_registers, w2_ring=w2_ring)
         for w13_block_k, stages in w13
-        for w2_warps in (4, 8)
-        for w2_max_registers in caps
+        for w2_ring, w2_warps, w2_max_registers in w2
     )
 
 

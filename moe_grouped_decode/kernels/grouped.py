@@ -29,7 +29,11 @@ Launches (no host sync; every grid is sized by the static R = M * k rows)::
 2. W2 (+ combine): see above; every program of a row sums the row's partials
    again (cheap in L2; fewer, longer splits as M grows keep it small), and
    64 columns per warp go through ``awq_mma`` with the float32 activations as
-   a 16-bit hi + lo pair. Without ``fused_combine`` the combine is a third
+   a 16-bit hi + lo pair. With ``w2_ring`` (M = 8's table entry), the same
+   programs run as a Gluon kernel (``w2_ring.py``) that keeps its weights in
+   shared memory instead of registers while W13 finishes, so more of them fit
+   beside W13: same bits as this kernel with RN_SCALE (the scale multiply
+   rounded on its own). Without ``fused_combine`` the combine is a third
    launch (``combine.py``). With ``pdl`` (Hopper and newer) each launch lets the
    next one start early (programmatic dependent launch); the next one waits for
    it before reading what it wrote.
@@ -53,7 +57,7 @@ import triton.language as tl
 
 from .awq_mma import CHUNK_ROWS, TILE_WORDS, awq_mma_chunk, chunk_columns, chunk_lanes, chunk_rows
 from .. import env
-from . import MIN_CUDA_CAPABILITY, cuda_capability, w13_ring
+from . import MIN_CUDA_CAPABILITY, cuda_capability, w13_ring, w2_ring
 from .awq_tiles import silu_mul
 from .combine import combine_rows, combine_tile
 from .configs import GroupedConfig
@@ -198,7 +202,7 @@ def _w2_rows_kernel(
     N_PAD: tl.constexpr, TOP_K: tl.constexpr,
     IS_BF16: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_PDL: tl.constexpr,
     COMPACT: tl.constexpr, R_PAD: tl.constexpr,
-    timeline_ptr, TIMELINE: tl.constexpr,
+    timeline_ptr, TIMELINE: tl.constexpr, RN_SCALE: tl.constexpr = False,
 ):
     """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32.
 
@@ -211,7 +215,8 @@ def _w2_rows_kernel(
     back its fragment rows), split into a 16-bit hi + lo pair. With
     FUSED_COMBINE, the last of a token's k programs on a column tile to arrive (an
     int32 counter per (token, tile), zeroed by the W13 launch) sums the token's k
-    row outputs of that tile in j order into ``out``. With COMPACT (the Gluon W13, which
+    row outputs of that tile in j order into ``out``. RN_SCALE: the scale multiply as mul.rn, the
+    Gluon W2's (w2_ring.py) bits, for the test that compares the two. With COMPACT (the Gluon W13, which
     cannot sort, ran before), the grid has one more row, whose tile-0 program writes the
     compaction (nothing in the op reads it; it depends only on topk_ids).
     """
@@ -264,7 +269,7 @@ def _w2_rows_kernel(
         act_hi = act.to(HALF)
         act_lo = (act - act_hi.to(tl.float32)).to(HALF)
         words, scales, zeros = weights[c]
-        d_lo, d_hi = awq_mma_chunk(words, act_hi, act_lo, scales, zeros, IS_BF16, True, WARPS)
+        d_lo, d_hi = awq_mma_chunk(words, act_hi, act_lo, scales, zeros, IS_BF16, True, WARPS, RN_SCALE)
         acc_lo += d_lo
         acc_hi += d_hi
     cols = chunk_columns(word, e)
@@ -318,6 +323,14 @@ def uses_w13_ring(config: GroupedConfig, capability: Tuple[int, int]) -> bool:
     1-warp programs) and available. Otherwise the tl kernel runs; at the same split both
     give the same bits."""
     return config.w13_ring_stages > 0 and config.w13_warps == 1 and ring_available(capability)
+
+
+def uses_w2_ring(config: GroupedConfig, capability: Tuple[int, int], hidden_size: int) -> bool:
+    """Whether W2 runs as the Gluon kernel (w2_ring.py): asked for by the config, Gluon running
+    (ring_available: the same conditions and switch as the Gluon W13), the fused combine, and
+    every warp's 64 columns inside K. Otherwise the tl W2 runs."""
+    return (config.w2_ring and config.fused_combine and w2_ring.AVAILABLE and ring_available(capability)
+            and (hidden_size // 8) % (TILE_WORDS.value * config.w2_warps) == 0)
 
 
 def compact(topk_ids, sorted_rows, sorted_experts, active_experts, segment_offsets, live_count) -> None:
@@ -419,7 +432,18 @@ def grouped_decode(
             ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
             timeline_ptr=w13_stamps, TIMELINE=timeline is not None, num_warps=config.w13_warps,
         )
-    if "w2" in stages:
+    if "w2" in stages and uses_w2_ring(config, capability, K):
+        w2_ring.w2_ring_kernel[w2_grid](
+            topk_ids, scratch.gate_up_partials, w2_qweight, w2_scales, w2_qzeros, scratch.row_outputs, rows,
+            topk_weights, out, out.stride(0), scratch.combine_arrivals,
+            scratch.sorted_rows, scratch.sorted_experts, scratch.active_experts, scratch.segment_offsets,
+            scratch.live_count, w2_stamps,
+            K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, CHUNKS_PAD=_next_pow2(N // CHUNK_ROWS.value),
+            TOP_K=top_k, IS_BF16=is_bf16, USE_PDL=use_pdl, COMPACT=ring, R_PAD=max(16, _next_pow2(rows)),
+            TIMELINE=timeline is not None, num_warps=config.w2_warps, **launch_options(use_pdl),
+            **config.w2_compile_options(capability),
+        )
+    elif "w2" in stages:
         _w2_rows_kernel[w2_grid](
             topk_ids,
             scratch.gate_up_partials,

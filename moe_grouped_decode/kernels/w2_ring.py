@@ -1,0 +1,241 @@
+"""W2 in Gluon: the ``tl`` W2's programs with their weights staged in shared memory, not registers.
+
+Same programs (row, column tile), fragments, PTX (``awq_mma``'s SPLIT_X, scale multiply
+``mul.rn``) and sums as ``grouped._w2_rows_kernel`` with the fused combine, so the same bits as
+the ``tl`` W2 built with ``RN_SCALE``. What differs is where a program keeps its weights while
+W13 finishes: the ``tl`` W2 holds all five 32-row chunks in registers from before the PDL wait
+(128 or more registers: four programs per SM, two waves at M = 8); here ``cp.async`` copies them
+into shared memory before the wait (~80 registers), and the activations go through shared
+memory too (no ``act`` workspace round trip)::
+
+    program (row, tile):  W2[expert][:, tile's columns], scales, zeros -> smem   (cp.async)
+                          wait for W13 (PDL)
+                          act = silu(gate) * up from the row's partials, in split order
+                            -> 16-bit hi + lo halves in smem
+                          warp w: 5 chunks of awq_mma on its 64 columns -> row_out[row]
+                          last of the token's k programs on this tile: combine into out
+    program (rows, 0), with COMPACT (the Gluon W13, which cannot sort, ran before):
+                          the compaction, by counting instead of sorting
+
+Gluon only (no interpreter): ``grouped.uses_w2_ring`` falls back to the ``tl`` W2 elsewhere.
+"""
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    AVAILABLE = True
+except ImportError:  # a Triton without Gluon: the tl W2 serves every config
+    AVAILABLE = False
+
+
+from .awq_mma import CHUNK_CONSTRAINTS_SPLIT_X, CHUNK_PTX_BF16_SPLIT_X_RN, CHUNK_PTX_F16_SPLIT_X_RN
+from .timeline import W2_STAMP_COUNT
+
+if AVAILABLE:
+    from .w13_ring import _now
+
+    @gluon.jit
+    def _compact_rows(ids_ptr, rows, sorted_rows_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr,
+                      R_PAD: gl.constexpr, WARPS: gl.constexpr):
+        """grouped._compact_rows without a sort: a row's sorted position is the number of (expert,
+        row) keys below its own; it opens a segment if no row with a smaller key has its expert, and
+        the segment's number is the count of openers with a smaller expert. The rows are compared
+        BLOCK at a time against copies in shared memory (no global load inside the loops, few
+        registers: the kernel's register count is the largest of its paths)."""
+        BLOCK: gl.constexpr = 16
+        pair: gl.constexpr = gl.BlockedLayout([1, BLOCK], [32, 1], [WARPS, 1], [1, 0])
+        blocks: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        r = gl.arange(0, R_PAD, layout=gl.SliceLayout(1, pair))
+        valid = r < rows
+        expert = gl.load(ids_ptr + r, mask=valid, other=0)
+        key = gl.where(valid, expert * R_PAD + r, 2**31 - 1)  # padding rows sort last; E * R_PAD < 2^31
+        keys = gl.allocate_shared_memory(gl.int32, [R_PAD // BLOCK, BLOCK], blocks,
+                                         gl.reshape(key, [R_PAD // BLOCK, BLOCK]))
+        experts = gl.allocate_shared_memory(gl.int32, [R_PAD // BLOCK, BLOCK], blocks,
+                                            gl.reshape(expert, [R_PAD // BLOCK, BLOCK]))
+        per_block: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # indexable by block
+        keys = keys._reinterpret(gl.int32, [R_PAD // BLOCK, BLOCK], per_block)
+        experts = experts._reinterpret(gl.int32, [R_PAD // BLOCK, BLOCK], per_block)
+        gl.thread_barrier()  # every row's key is in shared memory before any thread compares
+        rank = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
+        earlier_same = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
+        for b in range(R_PAD // BLOCK):
+            o_key = keys.index(b).load(gl.SliceLayout(0, pair))[None, :]
+            o_expert = experts.index(b).load(gl.SliceLayout(0, pair))[None, :]
+            below = o_key < key[:, None]
+            rank += gl.sum(below.to(gl.int32), axis=1)
+            earlier_same += gl.sum((below & (o_expert == expert[:, None])).to(gl.int32), axis=1)
+        opens = valid & (earlier_same == 0)
+        opener_experts = gl.allocate_shared_memory(gl.int32, [R_PAD // BLOCK, BLOCK], blocks,
+                                                   gl.reshape(gl.where(opens, expert, 2**31 - 1), [R_PAD // BLOCK, BLOCK]))
+        opener_experts = opener_experts._reinterpret(gl.int32, [R_PAD // BLOCK, BLOCK], per_block)
+        gl.thread_barrier()  # every row's opener flag is in shared memory before any thread counts them
+        segment = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
+        for b in range(R_PAD // BLOCK):
+            o_opener = opener_experts.index(b).load(gl.SliceLayout(0, pair))[None, :]
+            segment += gl.sum((o_opener < expert[:, None]).to(gl.int32), axis=1)
+        gl.store(sorted_rows_ptr + rank, r, mask=valid)
+        gl.store(active_experts_ptr + segment, expert, mask=opens)
+        gl.store(segment_offsets_ptr + segment, rank, mask=opens)
+        live = gl.sum(opens.to(gl.int32), axis=0)
+        gl.store(segment_offsets_ptr + live, rows)
+        gl.store(live_count_ptr, live)
+
+    @gluon.jit
+    def w2_ring_kernel(
+        ids_ptr, partials_ptr, qweight_ptr, scales_ptr, qzeros_ptr, row_out_ptr, rows,
+        topk_weights_ptr, out_ptr, stride_om, arrivals_ptr,
+        sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr, timeline_ptr,
+        K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr, WARPS: gl.constexpr,
+        CHUNKS_PAD: gl.constexpr, TOP_K: gl.constexpr, IS_BF16: gl.constexpr, USE_PDL: gl.constexpr,
+        COMPACT: gl.constexpr, R_PAD: gl.constexpr, TIMELINE: gl.constexpr,
+    ):
+        """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols] and the fused
+        combine, as grouped._w2_rows_kernel (program (row, tile), warp w: 64 columns). Needs
+        K // 8 to be a multiple of 8 * WARPS (grouped.uses_w2_ring)."""
+        row = gl.program_id(0)
+        tile = gl.program_id(1)
+        stamps = timeline_ptr + (row * gl.num_programs(1) + tile) * W2_STAMP_COUNT
+        if TIMELINE:
+            gl.store(stamps, _now())
+        if COMPACT:
+            if row == rows:
+                if tile == 0:
+                    _compact_rows(ids_ptr, rows, sorted_rows_ptr, active_experts_ptr, segment_offsets_ptr,
+                                  live_count_ptr, R_PAD, WARPS)
+                if TIMELINE:
+                    gl.store(stamps + 4, _now())
+                return
+        PACKED_K: gl.constexpr = K // 8
+        CHUNKS: gl.constexpr = N // 32
+        HALF: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
+        expert = gl.load(ids_ptr + row).to(gl.int64)
+        word0 = tile * (WARPS * 8)  # the program's first packed column; warp w has words word0 + 8 w + g
+
+        # words: [chunk, warp, 32 rows (in w13_ring's conflict-free order), 8 words], 16-byte copies
+        w_copy: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 16, 2], [WARPS, 1, 1], [2, 1, 0])
+        ww = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_copy)))[:, None, None]
+        wq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_copy)))[None, :, None]
+        wj = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_copy)))[None, None, :]
+        chunk_row = (wq & 16) | ((wq & 3) << 2) | ((wq >> 2) & 3)
+        w_src = qweight_ptr + expert * (N * PACKED_K) + chunk_row * PACKED_K + word0 + ww * 8 + wj
+        w_smem = gl.allocate_shared_memory(gl.int32, [CHUNKS, WARPS, 32, 8],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        for c in gl.static_range(CHUNKS):
+            async_copy.async_copy_global_to_shared(w_smem.index(c), w_src + c * 32 * PACKED_K)
+        # scales [chunk, warp, 64] and zeros [chunk, warp, 8] (a chunk lies inside one group)
+        s_copy: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, WARPS, 1], [2, 1, 0])
+        sc = gl.arange(0, CHUNKS_PAD, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_copy)))[:, None, None]
+        sw = gl.arange(0, WARPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_copy)))[None, :, None]
+        sj = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_copy)))[None, None, :]
+        s_smem = gl.allocate_shared_memory(scales_ptr.dtype.element_ty, [CHUNKS_PAD, WARPS, 64],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        async_copy.async_copy_global_to_shared(
+            s_smem, scales_ptr + expert * (N // G * K) + (sc * 32 // G) * K + (word0 + sw * 8) * 8 + sj,
+            mask=(sc < CHUNKS) & (sw >= 0) & (sj >= 0))
+        z_copy: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 16, 2], [1, WARPS, 1], [2, 1, 0])
+        zc = gl.arange(0, CHUNKS_PAD, layout=gl.SliceLayout(1, gl.SliceLayout(2, z_copy)))[:, None, None]
+        zw = gl.arange(0, WARPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, z_copy)))[None, :, None]
+        zj = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, z_copy)))[None, None, :]
+        z_smem = gl.allocate_shared_memory(gl.int32, [CHUNKS_PAD, WARPS, 8], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        async_copy.async_copy_global_to_shared(
+            z_smem, qzeros_ptr + expert * (N // G * PACKED_K) + (zc * 32 // G) * PACKED_K + word0 + zw * 8 + zj,
+            mask=(zc < CHUNKS) & (zw >= 0) & (zj >= 0))
+        async_copy.commit_group()
+
+        if USE_PDL:  # pdl.wait_for_previous_launch, in Gluon: W13's partials are complete past here
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        if TIMELINE:
+            gl.store(stamps + 1, _now())
+
+        # act = silu(gate) * up (awq_tiles.silu_mul's formula) from the partials summed in split
+        # order, [chunk, 32 rows], split into 16-bit hi + lo halves in shared memory
+        a_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
+        ac = gl.arange(0, CHUNKS_PAD, layout=gl.SliceLayout(1, a_layout))[:, None]
+        ar = gl.arange(0, 32, layout=gl.SliceLayout(0, a_layout))[None, :]
+        n = ac * 32 + ar
+        n_ok = n < N
+        gate = gl.zeros([CHUNKS_PAD, 32], gl.float32, layout=a_layout)
+        up = gl.zeros([CHUNKS_PAD, 32], gl.float32, layout=a_layout)
+        for s in gl.static_range(SPLITS):
+            part = partials_ptr + (s * rows + row) * (2 * N) + n
+            gate += gl.load(part, mask=n_ok, other=0.0)
+            up += gl.load(part + N, mask=n_ok, other=0.0)
+        act = gate / (1.0 + gl.exp(-gate)) * up
+        act_hi = act.to(HALF)
+        # sub.rn: not contracted with the product above (the tl W2 subtracts from a reloaded act)
+        act_lo = gl.inline_asm_elementwise("sub.rn.f32 $0, $1, $2;", "=f,f,f", [act, act_hi.to(gl.float32)],
+                                           dtype=gl.float32, is_pure=True, pack=1).to(HALF)
+        rows_2d: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        per_chunk: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        hi_rows = gl.allocate_shared_memory(HALF, [CHUNKS_PAD, 32], rows_2d, act_hi)._reinterpret(
+            HALF, [CHUNKS_PAD, 32], per_chunk)
+        lo_rows = gl.allocate_shared_memory(HALF, [CHUNKS_PAD, 32], rows_2d, act_lo)._reinterpret(
+            HALF, [CHUNKS_PAD, 32], per_chunk)
+        s_rows = s_smem._reinterpret(scales_ptr.dtype.element_ty, [CHUNKS_PAD, WARPS, 64],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        z_rows = z_smem._reinterpret(gl.int32, [CHUNKS_PAD, WARPS, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        async_copy.wait_group(0)
+        gl.thread_barrier()  # the activations and every warp's copies are in shared memory
+        if TIMELINE:
+            gl.store(stamps + 2, _now())
+
+        # frag: [warp, 8 (g), 4 (t), 8 (e)]; awq_mma's lane layout per warp
+        frag: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 8, 4, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
+        fw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, frag))))[:, None, None, None]
+        g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, frag))))[None, :, None, None]
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, frag))))[None, None, :, None]
+        e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, frag))))[None, None, None, :]
+        fill = gl.zeros([WARPS, 8, 4, 8], gl.int32, layout=frag)
+        acc_lo = gl.zeros([WARPS, 8, 4, 8], gl.float32, layout=frag)
+        acc_hi = gl.zeros([WARPS, 8, 4, 8], gl.float32, layout=frag)
+        x_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, frag))
+        for c in gl.static_range(CHUNKS):
+            # [warp, 32 (q), 8 (g)] -> [warp, e // 4, e % 4, t, g] -> [warp, g, t, e // 4, e % 4] -> [warp, g, t, e]
+            words = w_smem.index(c).reshape([WARPS, 2, 4, 4, 8]).permute([0, 4, 3, 1, 2]).reshape(
+                [WARPS, 8, 4, 8]).load(frag)
+            # activation row 16 (e // 4) + 4 t + e % 4 in every B column (only D's column 0 is stored)
+            x_hi = gl.broadcast(gl.expand_dims(gl.expand_dims(
+                hi_rows.index(c).reshape([2, 4, 4]).permute([1, 0, 2]).reshape([4, 8]).load(x_layout), 0), 0), fill)[0]
+            x_lo = gl.broadcast(gl.expand_dims(gl.expand_dims(
+                lo_rows.index(c).reshape([2, 4, 4]).permute([1, 0, 2]).reshape([4, 8]).load(x_layout), 0), 0), fill)[0]
+            scales = gl.broadcast(gl.expand_dims(
+                s_rows.index(c).reshape([WARPS, 8, 8]).load(gl.SliceLayout(2, frag)), 2), fill)[0]
+            zeros = gl.broadcast(gl.expand_dims(gl.expand_dims(
+                z_rows.index(c).load(gl.SliceLayout(2, gl.SliceLayout(3, frag))), 2), 3), fill)[0]
+            if IS_BF16:
+                d_lo, d_hi = gl.inline_asm_elementwise(CHUNK_PTX_BF16_SPLIT_X_RN, CHUNK_CONSTRAINTS_SPLIT_X,
+                                                       [words, x_hi, x_lo, scales, zeros],
+                                                       dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
+            else:
+                d_lo, d_hi = gl.inline_asm_elementwise(CHUNK_PTX_F16_SPLIT_X_RN, CHUNK_CONSTRAINTS_SPLIT_X,
+                                                       [words, x_hi, x_lo, scales, zeros],
+                                                       dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
+            acc_lo += d_lo
+            acc_hi += d_hi
+        # awq_mma.chunk_columns: element 4 j + c is column 2 j + c // 2 (d_lo, j = 0, 1; d_hi +4)
+        cols = (word0 + fw * 8 + g) * 8 + 2 * (e // 4) + (e % 4) // 2 + t * 0
+        keep = (t == 0) & (e % 2 == 0) & (g >= 0) & (fw >= 0)
+        gl.store(row_out_ptr + row * K + cols, acc_lo, mask=keep)
+        gl.store(row_out_ptr + row * K + cols + 4, acc_hi, mask=keep)
+        if TIMELINE:
+            gl.store(stamps + 3, _now())
+
+        # the fused combine (combine.combine_tile): the last of the token's k programs on this tile
+        # sums its k row outputs in j order
+        token = row // TOP_K
+        gl.thread_barrier()  # every thread's row_out stores happen before the release below
+        arrived = gl.atomic_add(arrivals_ptr + token * gl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == TOP_K - 1:
+            c_layout: gl.constexpr = gl.BlockedLayout([2], [32], [WARPS], [0])
+            tile_cols = word0 * 8 + gl.arange(0, WARPS * 64, layout=c_layout)
+            t64 = token.to(gl.int64)
+            total = gl.zeros([WARPS * 64], gl.float32, layout=c_layout)
+            for j in gl.static_range(TOP_K):
+                weight = gl.load(topk_weights_ptr + t64 * TOP_K + j).to(gl.float32)
+                total += weight * gl.load(row_out_ptr + (t64 * TOP_K + j) * K + tile_cols, cache_modifier=".cg")
+            gl.store(out_ptr + t64 * stride_om + tile_cols, total.to(out_ptr.dtype.element_ty))
+        if TIMELINE:
+            gl.store(stamps + 4, _now())
