@@ -27,7 +27,7 @@ status=0
 if [ "$TESTS" = 1 ]; then
   MOE_GD_STATS="$OUT/cuda_stats.json" timeout 300 python3 -m pytest -q -rs --maxfail=8 -p no:cacheprovider tests/test_cuda_ops.py tests/test_lowering_cuda_graphs.py || status=1
 fi
-[ "$BENCH" = 0 ] || timeout 220 python3 -m moe_grouped_decode bench --out "$OUT" ${SWEEP:+--sweep "$SWEEP"} ${BREAKDOWN:+--breakdown "$BREAKDOWN"} || status=1
+[ "$BENCH" = 0 ] || timeout $([ -n "$SWEEP" ] && echo 420 || echo 220) python3 -m moe_grouped_decode bench --out "$OUT" ${SWEEP:+--sweep "$SWEEP"} ${BREAKDOWN:+--breakdown "$BREAKDOWN"} || status=1
 if [ -n "$VARIANTS" ]; then
   timeout 150 python3 benchmarks/launch_variants.py all "$VARIANTS" | tee "$OUT/launch_variants.md" || status=1
 fi

@@ -201,12 +201,13 @@ def grouped_candidates(capability: Tuple[int, int], ring: bool) -> Tuple[Grouped
     compute ``capability`` (the register cap only where it applies: w2_compile_options); with
     ``ring`` (the Gluon W13 runs there), W13 splits of 128 / 256 / 512 rows (they tile qwen3.8's
     K = 2560; elsewhere the last split masks its chunks past K) and ring depths 2 and 4 (the range
-    that won in explorations run 25) and also the Gluon W2 with 8-warp programs (the size that
-    won in runs 27 and 46), else the tl W13's splits and the tl W2."""
+    that won in explorations run 25) and also the Gluon W2 with 4- and 8-warp programs (8 won at
+    M = 8 in runs 27, 46 and 47), else the tl W13's splits and the tl W2."""
     caps = (0, 128) if GroupedConfig(w2_max_registers=128).w2_compile_options(capability) else (0,)
     w13 = ([(rows, stages) for rows in (128, 256, 512) for stages in (2, 4)] if ring
            else [(rows, 0) for rows in (128, 192, 256, 384, 512)])
-    w2 = [(False, warps, cap) for warps in (4, 8) for cap in caps] + ([(True, 8, 0)] if ring else [])
+    w2 = [(False, warps, cap) for warps in (4, 8) for cap in caps]
+    w2 += [(True, warps, 0) for warps in (4, 8)] if ring else []
     return tuple(
         GroupedConfig(w13_block_k=w13_block_k, w13_ring_stages=stages, w2_warps=w2_warps,
                       w2_max_registers=w2_max_registers, w2_ring=w2_ring)
