@@ -1,0 +1,63 @@
+"""A/B in one process: the grouped op at the table's config against the same config with some
+fields changed, alternating over 3 repetitions (each a fresh CUDA graph of the bench's 32 layers
+of distinct weights, L2 cold); the outputs must be bit-identical unless --allow-new-bits.
+
+    PYTHONPATH=. python benchmarks/ab_configs.py M[,M...] FIELD=VALUE[,FIELD=VALUE...] [fp16,bf16]
+
+e.g. ``8 w2_max_registers=64``: the Gluon W2 capped at 64 registers at M = 8.
+"""
+import dataclasses
+import sys
+
+import torch
+
+from moe_grouped_decode.bench import random_layer_inputs, rotated_layers
+from moe_grouped_decode.contract import QWEN38_TP4 as c
+from moe_grouped_decode.kernels import configs, grouped
+from moe_grouped_decode.ops import alloc_workspace, workspace_views
+from moe_grouped_decode.ops.cuda import graph_replay_us
+
+LAYERS = 32
+
+
+def main(token_counts, changes, dtypes, allow_new_bits=False):
+    shape = (c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size)
+    label = ",".join(f"{k}={v}" for k, v in changes.items())
+    print(f"| dtype | M | table config, us | {label}, us | change |\n| --- | --- | --- | --- | --- |")
+    for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+        if name not in dtypes:
+            continue
+        layers = rotated_layers(LAYERS, dtype, "cuda")
+        gen = torch.Generator().manual_seed(0)
+        for M in token_counts:
+            ids, tws, xs = random_layer_inputs(M, c.top_k, c.num_experts, c.hidden_size, LAYERS, dtype, "cuda", gen)
+            table = configs.grouped_config(shape, name, M, True)
+            variants = {"table": table, "changed": dataclasses.replace(table, **changes)}
+            views = workspace_views(alloc_workspace(M, c.top_k, c.hidden_size, c.intermediate_size, "cuda"),
+                                    M * c.top_k, c.hidden_size, c.intermediate_size)
+            outs = [torch.empty_like(x) for x in xs]
+            times = {key: [] for key in variants}
+            bits = {}
+            for _ in range(3):
+                for key, config in variants.items():
+                    def step(i, config=config):
+                        grouped.grouped_decode(xs[i], tws[i], ids[i], *layers[i].op_args(), views, outs[i], config)
+
+                    times[key].append(graph_replay_us(step, LAYERS))
+                    bits[key] = torch.stack(outs).view(torch.int16).clone()
+            same = torch.equal(bits["table"], bits["changed"])
+            assert same or allow_new_bits, f"{name} M={M}: {label} changed the outputs"
+            base, new = (sorted(t)[1] for t in times.values())
+            cells = " | ".join(" ".join(f"{v:.2f}" for v in t) for t in times.values())
+            print(f"| {name} | {M} | {cells} | {new - base:+.2f}{'' if same else ' (new bits)'} |", flush=True)
+
+
+def _value(text):
+    return {"True": True, "False": False}.get(text) if text in ("True", "False") else int(text)
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if a != "--allow-new-bits"]
+    changes = {k: _value(v) for k, v in (item.split("=") for item in args[1].split(","))}
+    main([int(m) for m in args[0].split(",")], changes, (args[2] if len(args) > 2 else "fp16,bf16").split(","),
+         "--allow-new-bits" in sys.argv)
