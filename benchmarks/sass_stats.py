@@ -40,6 +40,8 @@ def compile_kernel(fn, constexprs, pointer_types, num_warps, ints=None, options=
     ``ints`` marked divisible by 16 where it is (Triton's JIT does both at launch time).
     ``source``: GluonASTSource for a ``@gluon.jit`` kernel."""
     ints = ints or {}
+    # a constexpr left to its default stays one (not an i32 argument, which compiles every branch on it)
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:

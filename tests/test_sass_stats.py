@@ -82,3 +82,22 @@ def test_timeline_stamps_compile_out():
         assert reads[kernel, "False"] == 0, result.stdout
     assert reads["w13", "True"] >= 3 and reads["w13-tl-tile-path", "True"] >= 3, result.stdout
     assert reads["w2", "True"] >= 5, result.stdout
+
+
+def test_constexpr_defaults_stay_constexprs():
+    """compile_kernel compiles a kernel as a launch specializes it: a constexpr the caller leaves
+    to its default is that constant, not an i32 argument (which would keep both branches on it,
+    as the tl W2's RN_SCALE once did, doubling its counted mma)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stores(out_ptr, FLAG: tl.constexpr = False):
+        if FLAG:
+            tl.store(out_ptr, 1.0)
+        else:
+            tl.store(out_ptr, 2.0)
+
+    kernel = _sass_stats_module().compile_kernel(stores, {}, {"out_ptr": "*fp32"}, 1)
+    ttir = kernel.asm["ttir"]
+    assert "2.000000e+00" in ttir and "1.000000e+00" not in ttir, ttir
