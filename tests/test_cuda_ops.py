@@ -271,6 +271,23 @@ RING_CASES = [
 ]
 
 
+def _gluon_vs_tl_case(layer, M, seed, monkeypatch, **changes):
+    """The inputs of a Gluon-against-tl bits test: the Gluon switch at its default (off, every run
+    would be the tl one), activations and round-robin routing (tokens share experts) drawn from
+    ``seed``, and the table's config at M with ``changes``, fitted to K."""
+    import dataclasses
+
+    from moe_grouped_decode.kernels import configs
+
+    monkeypatch.delenv(GLUON_W13_ENV, raising=False)
+    gen = torch.Generator().manual_seed(seed)
+    x = activations(M, layer[0].dtype, gen)
+    ids, tw = routing("round_robin", M, gen)
+    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[layer[0].dtype]
+    config = dataclasses.replace(configs.grouped_config((E, TOP_K, K, N, G), dtype_name, M), **changes).fitted(K)
+    return x, tw, ids, config
+
+
 @pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")
 @pytest.mark.parametrize("M,split", RING_CASES)
 def test_ring_w13_gives_the_tl_kernels_bits(layer, workspace, M, split, monkeypatch):
@@ -279,16 +296,11 @@ def test_ring_w13_gives_the_tl_kernels_bits(layer, workspace, M, split, monkeypa
     the table's, on routing where tokens share experts."""
     import dataclasses
 
-    from moe_grouped_decode.kernels import configs, cuda_capability, grouped
+    from moe_grouped_decode.kernels import cuda_capability, grouped
     from moe_grouped_decode.ops.cuda import launch_grouped
 
-    monkeypatch.delenv(GLUON_W13_ENV, raising=False)  # the switch off would make every run the tl one
     weights, _ = layer
-    gen = torch.Generator().manual_seed(7 + M)
-    x = activations(M, weights.dtype, gen)
-    ids, tw = routing("round_robin", M, gen)
-    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[weights.dtype]
-    base = dataclasses.replace(configs.grouped_config((E, TOP_K, K, N, G), dtype_name, M), w13_block_k=split).fitted(K)
+    x, tw, ids, base = _gluon_vs_tl_case(layer, M, 7 + M, monkeypatch, w13_block_k=split)
     outs = {}
     for stages in (0, 2, 4):
         config = dataclasses.replace(base, w13_ring_stages=stages)
@@ -329,17 +341,12 @@ def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, m
     share experts; its compaction (counted, not sorted) is the reference's."""
     import dataclasses
 
-    from moe_grouped_decode.kernels import configs, cuda_capability, grouped
+    from moe_grouped_decode.kernels import cuda_capability, grouped
     from moe_grouped_decode.ops.cuda import launch_grouped
 
-    monkeypatch.delenv(GLUON_W13_ENV, raising=False)  # the switch off would make every run the tl one
     weights, cpu_weights = layer
-    gen = torch.Generator().manual_seed(17 + M)
-    x = activations(M, weights.dtype, gen)
-    ids, tw = routing("round_robin", M, gen)
-    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[weights.dtype]
-    base = dataclasses.replace(configs.grouped_config((E, TOP_K, K, N, G), dtype_name, M), w2_warps=warps,
-                               w2_max_registers=0, w13_ring_stages=stages).fitted(K)
+    x, tw, ids, base = _gluon_vs_tl_case(layer, M, 17 + M, monkeypatch, w2_warps=warps, w2_max_registers=0,
+                                         w13_ring_stages=stages)
     want = reference_segments(ids)
     outs = {}
     for ring in (False, True):

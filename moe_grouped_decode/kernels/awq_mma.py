@@ -140,16 +140,24 @@ def _constraints(split_x: bool) -> str:
     return ",".join(["=f"] * 16 + ["r"] * (8 + 4 + (4 if split_x else 0) + 4 + 8))
 
 
-# One chunk's PTX and operand constraints, per dtype and activation split; awq_mma_chunk and the
-# Gluon W13 (w13_ring.py) both issue them.
-CHUNK_PTX_F16 = tl.constexpr(_chunk_asm(False, False))
-CHUNK_PTX_F16_SPLIT_X = tl.constexpr(_chunk_asm(False, True))
-CHUNK_PTX_BF16 = tl.constexpr(_chunk_asm(True, False))
-CHUNK_PTX_BF16_SPLIT_X = tl.constexpr(_chunk_asm(True, True))
-CHUNK_PTX_F16_SPLIT_X_RN = tl.constexpr(_chunk_asm(False, True, rn_scale=True))
-CHUNK_PTX_BF16_SPLIT_X_RN = tl.constexpr(_chunk_asm(True, True, rn_scale=True))
-CHUNK_CONSTRAINTS = tl.constexpr(_constraints(False))
-CHUNK_CONSTRAINTS_SPLIT_X = tl.constexpr(_constraints(True))
+# One chunk's PTX and operand constraints, per dtype, activation split and scale rounding, built
+# once (tables: Triton hashes a kernel's globals, not plain functions); awq_mma_chunk and the
+# Gluon W13 and W2 (w13_ring.py, w2_ring.py) issue them.
+_CHUNK_PTX = {(bf16, split_x, rn_scale): _chunk_asm(bf16, split_x, rn_scale)
+              for bf16 in (False, True) for split_x in (False, True) for rn_scale in (False, True)}
+_CHUNK_CONSTRAINTS = {split_x: _constraints(split_x) for split_x in (False, True)}
+
+
+@triton.constexpr_function
+def chunk_ptx(is_bf16, split_x, rn_scale):
+    """The PTX of one chunk, picked at compile time from constexpr flags."""
+    return _CHUNK_PTX[bool(is_bf16), bool(split_x), bool(rn_scale)]
+
+
+@triton.constexpr_function
+def chunk_constraints(split_x):
+    """The operand constraints of chunk_ptx's PTX."""
+    return _CHUNK_CONSTRAINTS[bool(split_x)]
 
 
 @triton.jit
@@ -183,31 +191,14 @@ def awq_mma_chunk(words, x_hi, x_lo, scales, zeros, IS_BF16: tl.constexpr, SPLIT
     ``zeros`` int32 [32 * WARPS, 1]. Returns float32 (d_lo, d_hi) [32 * WARPS, 8]; ``x_lo`` is
     read only with SPLIT_X (x = x_hi + x_lo). RN_SCALE (with SPLIT_X): the Gluon W2's PTX."""
     if _INLINE_PTX:
-        if SPLIT_X and RN_SCALE:
-            if IS_BF16:
-                return tl.inline_asm_elementwise(CHUNK_PTX_BF16_SPLIT_X_RN, CHUNK_CONSTRAINTS_SPLIT_X,
-                                                 [words, x_hi, x_lo, scales, zeros],
-                                                 dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
-            else:
-                return tl.inline_asm_elementwise(CHUNK_PTX_F16_SPLIT_X_RN, CHUNK_CONSTRAINTS_SPLIT_X,
-                                                 [words, x_hi, x_lo, scales, zeros],
-                                                 dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
-        elif SPLIT_X:
-            if IS_BF16:
-                return tl.inline_asm_elementwise(CHUNK_PTX_BF16_SPLIT_X, CHUNK_CONSTRAINTS_SPLIT_X,
-                                                 [words, x_hi, x_lo, scales, zeros],
-                                                 dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
-            else:
-                return tl.inline_asm_elementwise(CHUNK_PTX_F16_SPLIT_X, CHUNK_CONSTRAINTS_SPLIT_X,
-                                                 [words, x_hi, x_lo, scales, zeros],
-                                                 dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
+        if SPLIT_X:
+            return tl.inline_asm_elementwise(chunk_ptx(IS_BF16, True, RN_SCALE), chunk_constraints(True),
+                                             [words, x_hi, x_lo, scales, zeros],
+                                             dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
         else:
-            if IS_BF16:
-                return tl.inline_asm_elementwise(CHUNK_PTX_BF16, CHUNK_CONSTRAINTS, [words, x_hi, scales, zeros],
-                                                 dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
-            else:
-                return tl.inline_asm_elementwise(CHUNK_PTX_F16, CHUNK_CONSTRAINTS, [words, x_hi, scales, zeros],
-                                                 dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
+            return tl.inline_asm_elementwise(chunk_ptx(IS_BF16, False, False), chunk_constraints(False),
+                                             [words, x_hi, scales, zeros],
+                                             dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
     else:
         x = x_hi.to(tl.float32)
         if SPLIT_X:

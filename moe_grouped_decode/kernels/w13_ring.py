@@ -32,7 +32,7 @@ try:
 except ImportError:  # a Triton without Gluon: the tl kernel serves every config
     AVAILABLE = False
 
-from .awq_mma import CHUNK_PTX_BF16, CHUNK_PTX_F16, CHUNK_CONSTRAINTS
+from .awq_mma import chunk_constraints, chunk_ptx
 from .timeline import GLOBALTIMER_PTX, W13_STAMP_COUNT
 
 if AVAILABLE:
@@ -162,14 +162,9 @@ if AVAILABLE:
                         ring.index(c % STAGES), src + (c + STAGES) * 32 * PACKED_N,
                         mask=(k_first + (c + STAGES) * 32 + chunk_row < K) & (w >= 0))
             async_copy.commit_group()
-            if IS_BF16:
-                d_lo, d_hi = gl.inline_asm_elementwise(CHUNK_PTX_BF16, CHUNK_CONSTRAINTS,
-                                                       [words, x, scales, zeros],
-                                                       dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
-            else:
-                d_lo, d_hi = gl.inline_asm_elementwise(CHUNK_PTX_F16, CHUNK_CONSTRAINTS,
-                                                       [words, x, scales, zeros],
-                                                       dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
+            d_lo, d_hi = gl.inline_asm_elementwise(chunk_ptx(IS_BF16, False, False), chunk_constraints(False),
+                                                   [words, x, scales, zeros],
+                                                   dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
             acc_lo += d_lo
             acc_hi += d_hi
         # awq_mma.chunk_columns: element 4 j + c is column 2 j + c // 2 (d_lo, j = 0, 1; d_hi +4)

@@ -30,7 +30,7 @@ except ImportError:  # a Triton without Gluon: the tl W2 serves every config
     AVAILABLE = False
 
 
-from .awq_mma import CHUNK_CONSTRAINTS_SPLIT_X, CHUNK_PTX_BF16_SPLIT_X_RN, CHUNK_PTX_F16_SPLIT_X_RN
+from .awq_mma import chunk_constraints, chunk_ptx
 from .timeline import W2_STAMP_COUNT
 
 if AVAILABLE:
@@ -205,14 +205,10 @@ if AVAILABLE:
                 s_rows.index(c).reshape([WARPS, 8, 8]).load(gl.SliceLayout(2, frag)), 2), fill)[0]
             zeros = gl.broadcast(gl.expand_dims(gl.expand_dims(
                 z_rows.index(c).load(gl.SliceLayout(2, gl.SliceLayout(3, frag))), 2), 3), fill)[0]
-            if IS_BF16:
-                d_lo, d_hi = gl.inline_asm_elementwise(CHUNK_PTX_BF16_SPLIT_X_RN, CHUNK_CONSTRAINTS_SPLIT_X,
-                                                       [words, x_hi, x_lo, scales, zeros],
-                                                       dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
-            else:
-                d_lo, d_hi = gl.inline_asm_elementwise(CHUNK_PTX_F16_SPLIT_X_RN, CHUNK_CONSTRAINTS_SPLIT_X,
-                                                       [words, x_hi, x_lo, scales, zeros],
-                                                       dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
+            # the scale multiply rounded on its own (mul.rn): the tl W2's bits with RN_SCALE
+            d_lo, d_hi = gl.inline_asm_elementwise(chunk_ptx(IS_BF16, True, True), chunk_constraints(True),
+                                                   [words, x_hi, x_lo, scales, zeros],
+                                                   dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
             acc_lo += d_lo
             acc_hi += d_hi
         # awq_mma.chunk_columns: element 4 j + c is column 2 j + c // 2 (d_lo, j = 0, 1; d_hi +4)
