@@ -2,7 +2,7 @@
 fields changed, alternating over 3 repetitions (each a fresh CUDA graph of the bench's 32 layers
 of distinct weights, L2 cold); the outputs must be bit-identical unless --allow-new-bits.
 
-    PYTHONPATH=. python benchmarks/ab_configs.py M[,M...] FIELD=VALUE[,FIELD=VALUE...] [fp16,bf16]
+    PYTHONPATH=. python benchmarks/ab_configs.py M[,M...] FIELD=VALUE[,FIELD=VALUE...] [fp16,bf16] [--allow-new-bits]
 
 e.g. ``8 w2_max_registers=64``: the Gluon W2 capped at 64 registers at M = 8.
 """
@@ -40,11 +40,15 @@ def main(token_counts, changes, dtypes, allow_new_bits=False):
             bits = {}
             for _ in range(3):
                 for key, config in variants.items():
+                    for out in outs:  # poisoned: a variant that writes nothing cannot pass as the same bits
+                        out.fill_(float("nan"))
+
                     def step(i, config=config):
                         grouped.grouped_decode(xs[i], tws[i], ids[i], *layers[i].op_args(), views, outs[i], config)
 
                     times[key].append(graph_replay_us(step, LAYERS))
                     bits[key] = torch.stack(outs).view(torch.int16).clone()
+            assert not torch.isnan(bits["table"].view(xs[0].dtype)).any(), f"{name} M={M}: the table config left NaN"
             same = torch.equal(bits["table"], bits["changed"])
             assert same or allow_new_bits, f"{name} M={M}: {label} changed the outputs"
             base, new = (sorted(t)[1] for t in times.values())
@@ -53,11 +57,15 @@ def main(token_counts, changes, dtypes, allow_new_bits=False):
 
 
 def _value(text):
-    return {"True": True, "False": False}.get(text) if text in ("True", "False") else int(text)
+    """A GroupedConfig field's value on the command line: an int, True or False."""
+    booleans = {"true": True, "false": False}
+    return booleans[text.lower()] if text.lower() in booleans else int(text)
 
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--allow-new-bits"]
+    if len(args) < 2:
+        sys.exit(__doc__)
     changes = {k: _value(v) for k, v in (item.split("=") for item in args[1].split(","))}
     main([int(m) for m in args[0].split(",")], changes, (args[2] if len(args) > 2 else "fp16,bf16").split(","),
          "--allow-new-bits" in sys.argv)

@@ -170,7 +170,8 @@ def launched_kernels(dtype, M, timeline=False):
     w2_consts = dict(K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, TOP_K=k,
                      IS_BF16=dtype == "bf16", USE_PDL=use_pdl, COMPACT=ring, R_PAD=max(16, grouped._next_pow2(rows)),
                      TIMELINE=timeline)
-    if grouped.uses_w2_ring(config, capability, K):
+    w2_is_gluon = grouped.uses_w2_ring(config, capability, K)
+    if w2_is_gluon:
         from triton.experimental.gluon._runtime import GluonASTSource
 
         w2 = compile_kernel(w2_ring.w2_ring_kernel, dict(w2_consts, CHUNKS_PAD=grouped._next_pow2(N // 32)),
@@ -181,7 +182,7 @@ def launched_kernels(dtype, M, timeline=False):
                                                           FUSED_COMBINE=config.fused_combine), pointers,
                             config.w2_warps, dict(rows=rows, stride_om=K), config.w2_compile_options(capability))
     yield (f"M={M} {dtype} w2", w2, N * config.w2_block_k, w2_grid[0] * w2_grid[1], config.w2_warps,
-           not grouped.uses_w2_ring(config, capability, K))
+           not w2_is_gluon)
 
 
 def timer_reads(kernel) -> int:

@@ -335,7 +335,8 @@ W2_RING_CASES = [
 
 @pytest.mark.skipif(not w2_ring.AVAILABLE, reason="needs Triton's Gluon")
 @pytest.mark.parametrize("M,warps,stages", W2_RING_CASES)
-def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, monkeypatch):
+@pytest.mark.parametrize("pdl", [True, False])  # without PDL the launches are plain (pre-Hopper, the pdl switch)
+def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, pdl, monkeypatch):
     """The Gluon W2 (kernels/w2_ring.py: weights staged in shared memory) runs the tl W2's
     fragments, sums and combine: the same bits as the tl W2 with RN_SCALE, on routing where tokens
     share experts; its compaction (counted, not sorted) is the reference's."""
@@ -346,7 +347,7 @@ def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, m
 
     weights, cpu_weights = layer
     x, tw, ids, base = _gluon_vs_tl_case(layer, M, 17 + M, monkeypatch, w2_warps=warps, w2_max_registers=0,
-                                         w13_ring_stages=stages)
+                                         w13_ring_stages=stages, pdl=pdl)
     want = reference_segments(ids)
     outs = {}
     for ring in (False, True):
@@ -372,7 +373,10 @@ def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, m
 @pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")
 def test_gluon_switch_off_runs_the_tl_w13(layer, workspace, monkeypatch):
     """VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0 (the rollback): the op launches neither Gluon kernel
-    (W13 nor, at M = 8's table config, W2) and still matches the reference."""
+    and still matches the reference, also when launched with the Gluon table's M = 8 config
+    (a Gluon W13 ring and the Gluon W2), which the switch overrides."""
+    from moe_grouped_decode.kernels import configs
+    from moe_grouped_decode.ops.cuda import launch_grouped
 
     class Forbidden:
         def __getitem__(self, grid):
@@ -387,6 +391,13 @@ def test_gluon_switch_off_runs_the_tl_w13(layer, workspace, monkeypatch):
     ids, tw = routing("random", 8, gen)
     out = run_grouped(x, tw, ids, weights, workspace)
     assert_close(f"grouped {weights.dtype} M=8 tl W13 (switch off)", out, x, tw, ids, cpu_weights)
+    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[weights.dtype]
+    gluon_config = configs.grouped_config((E, TOP_K, K, N, G), dtype_name, 8, ring=True)
+    assert gluon_config.w2_ring and gluon_config.w13_ring_stages > 0
+    out = torch.full_like(x, float("nan"))
+    workspace.fill_(-1)
+    launch_grouped(x, tw, ids, *weights.op_args(), workspace, out, gluon_config)
+    assert_close(f"grouped {weights.dtype} M=8 Gluon table config (switch off)", out, x, tw, ids, cpu_weights)
 
 
 @pytest.mark.parametrize("stages", [

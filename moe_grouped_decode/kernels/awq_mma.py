@@ -189,14 +189,15 @@ def awq_mma_chunk(words, x_hi, x_lo, scales, zeros, IS_BF16: tl.constexpr, SPLIT
     """One 32-row chunk of a warp's 64 columns (layout in the module docstring), for every
     warp of the program: ``words`` int32, ``x_hi`` / ``x_lo`` 16-bit and ``scales`` [32 * WARPS, 8],
     ``zeros`` int32 [32 * WARPS, 1]. Returns float32 (d_lo, d_hi) [32 * WARPS, 8]; ``x_lo`` is
-    read only with SPLIT_X (x = x_hi + x_lo). RN_SCALE (with SPLIT_X): the Gluon W2's PTX."""
+    read only with SPLIT_X (x = x_hi + x_lo). RN_SCALE: the scale multiply rounded on its own (with
+    SPLIT_X, the Gluon W2's PTX)."""
     if _INLINE_PTX:
         if SPLIT_X:
             return tl.inline_asm_elementwise(chunk_ptx(IS_BF16, True, RN_SCALE), chunk_constraints(True),
                                              [words, x_hi, x_lo, scales, zeros],
                                              dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
         else:
-            return tl.inline_asm_elementwise(chunk_ptx(IS_BF16, False, False), chunk_constraints(False),
+            return tl.inline_asm_elementwise(chunk_ptx(IS_BF16, False, RN_SCALE), chunk_constraints(False),
                                              [words, x_hi, scales, zeros],
                                              dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
     else:

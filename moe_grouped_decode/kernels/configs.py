@@ -96,7 +96,7 @@ QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 # rows at M = 2 and 4, 512 at M = 8, splits that tile K = 2560 exactly); more tokens want fewer
 # splits (every W2 program sums its row's splits again); the W2 register cap (four 4-warp
 # programs per SM instead of three) pays ~1.2 us at M = 4. At M = 8 the Gluon W2 with 8-warp
-# programs wins by 1.0-1.4 us (runs 27 and 46); at M = 2 and 4 it loses.
+# programs wins by 0.3-1.2 us in one process (explorations run 47); at M = 2 and 4 it loses (run 48).
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
     2: GroupedConfig(w13_block_k=256, w2_warps=8, w13_ring_stages=4),
     4: GroupedConfig(w13_block_k=256, w2_warps=4, w2_max_registers=128, w13_ring_stages=4),

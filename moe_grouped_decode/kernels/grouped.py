@@ -31,9 +31,10 @@ Launches (no host sync; every grid is sized by the static R = M * k rows)::
    64 columns per warp go through ``awq_mma`` with the float32 activations as
    a 16-bit hi + lo pair. With ``w2_ring`` (M = 8's table entry), the same
    programs run as a Gluon kernel (``w2_ring.py``) that keeps its weights in
-   shared memory instead of registers while W13 finishes, so more of them fit
-   beside W13: same bits as this kernel with RN_SCALE (the scale multiply
-   rounded on its own). Without ``fused_combine`` the combine is a third
+   shared memory instead of registers: same bits as this kernel with RN_SCALE
+   (the scale multiply rounded on its own). Its 52 KB of shared memory keep it
+   off the SMs W13's programs hold (the carveout, docs/PERF.md), so W13 runs
+   alone and ends earlier, which is where it gains. Without ``fused_combine`` the combine is a third
    launch (``combine.py``). With ``pdl`` (Hopper and newer) each launch lets the
    next one start early (programmatic dependent launch); the next one waits for
    it before reading what it wrote.

@@ -2,11 +2,12 @@
 
 Same programs (row, column tile), fragments, PTX (``awq_mma``'s SPLIT_X, scale multiply
 ``mul.rn``) and sums as ``grouped._w2_rows_kernel`` with the fused combine, so the same bits as
-the ``tl`` W2 built with ``RN_SCALE``. What differs is where a program keeps its weights while
-W13 finishes: the ``tl`` W2 holds all five 32-row chunks in registers from before the PDL wait
-(128 or more registers: four programs per SM, two waves at M = 8); here ``cp.async`` copies them
-into shared memory before the wait (~80 registers), and the activations go through shared
-memory too (no ``act`` workspace round trip)::
+the ``tl`` W2 built with ``RN_SCALE``. What differs is where a program keeps its weights: the
+``tl`` W2 holds all five 32-row chunks in registers from before the PDL wait (128 or more
+registers: four programs per SM, two waves at M = 8); here ``cp.async`` copies them into shared
+memory before the wait (~80 registers, 52 KB: three programs per SM, and none beside W13's
+programs, whose shared-memory carveout is smaller; docs/PERF.md says why that is the gain), and
+the activations go through shared memory too (no ``act`` workspace round trip)::
 
     program (row, tile):  W2[expert][:, tile's columns], scales, zeros -> smem   (cp.async)
                           wait for W13 (PDL)
