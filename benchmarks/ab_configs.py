@@ -21,7 +21,6 @@ LAYERS = 32
 
 
 def main(token_counts, changes, dtypes, allow_new_bits=False):
-    shape = (c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size)
     label = ",".join(f"{k}={v}" for k, v in changes.items())
     print(f"| dtype | M | table config, us | {label}, us | change |\n| --- | --- | --- | --- | --- |")
     for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
@@ -31,7 +30,7 @@ def main(token_counts, changes, dtypes, allow_new_bits=False):
         gen = torch.Generator().manual_seed(0)
         for M in token_counts:
             ids, tws, xs = random_layer_inputs(M, c.top_k, c.num_experts, c.hidden_size, LAYERS, dtype, "cuda", gen)
-            table = configs.grouped_config(shape, name, M, True)
+            table = configs.grouped_config(configs.QWEN38_TP4_SHAPE, name, M, True)
             variants = {"table": table, "changed": dataclasses.replace(table, **changes)}
             views = workspace_views(alloc_workspace(M, c.top_k, c.hidden_size, c.intermediate_size, "cuda"),
                                     M * c.top_k, c.hidden_size, c.intermediate_size)

@@ -90,6 +90,9 @@ def assert_close(name: str, out: torch.Tensor, x, tw, ids, cpu_weights) -> None:
     assert stats.scaled_max_abs <= BOUND[out.dtype], f"{name}: {stats}"
 
 
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # the launch-config tables' dtype names
+
+
 def run_grouped(x, tw, ids, weights, workspace):
     workspace.fill_(-1)  # 0xFFFFFFFF: NaN as float32, -1 as ids and offsets
     poison_allocator(x.numel(), x.dtype)
@@ -251,7 +254,7 @@ def test_launch_variants_give_the_default_bits(layer, workspace, fused_combine, 
     x = activations(M, weights.dtype, gen)
     ids, tw = routing("round_robin", M, gen)
     shape = (E, TOP_K, K, N, G)
-    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[weights.dtype]
+    dtype_name = DTYPE_NAMES[weights.dtype]
     default = dataclasses.replace(configs.grouped_config(shape, dtype_name, M), w2_ring=False)
     outs = []
     for config in (default, dataclasses.replace(default, fused_combine=fused_combine, pdl=pdl)):
@@ -283,7 +286,7 @@ def _gluon_vs_tl_case(layer, M, seed, monkeypatch, **changes):
     gen = torch.Generator().manual_seed(seed)
     x = activations(M, layer[0].dtype, gen)
     ids, tw = routing("round_robin", M, gen)
-    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[layer[0].dtype]
+    dtype_name = DTYPE_NAMES[layer[0].dtype]
     config = dataclasses.replace(configs.grouped_config((E, TOP_K, K, N, G), dtype_name, M), **changes).fitted(K)
     return x, tw, ids, config
 
@@ -391,7 +394,7 @@ def test_gluon_switch_off_runs_the_tl_w13(layer, workspace, monkeypatch):
     ids, tw = routing("random", 8, gen)
     out = run_grouped(x, tw, ids, weights, workspace)
     assert_close(f"grouped {weights.dtype} M=8 tl W13 (switch off)", out, x, tw, ids, cpu_weights)
-    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[weights.dtype]
+    dtype_name = DTYPE_NAMES[weights.dtype]
     gluon_config = configs.grouped_config((E, TOP_K, K, N, G), dtype_name, 8, ring=True)
     assert gluon_config.w2_ring and gluon_config.w13_ring_stages > 0
     out = torch.full_like(x, float("nan"))
@@ -419,7 +422,7 @@ def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages,
     gen = torch.Generator().manual_seed(23)
     x = activations(M, weights.dtype, gen)
     ids, tw = routing("random", M, gen)
-    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[weights.dtype]
+    dtype_name = DTYPE_NAMES[weights.dtype]
     config = dataclasses.replace(configs.grouped_config((E, TOP_K, K, N, G), dtype_name, M), w13_ring_stages=stages)
     assert grouped.uses_w13_ring(config, cuda_capability(x.device)) == (stages > 0)
     views = workspace_views(workspace, M * TOP_K, K, N)

@@ -21,20 +21,15 @@ the activations go through shared memory too (no ``act`` workspace round trip)::
 Gluon only (no interpreter): ``grouped.uses_w2_ring`` falls back to the ``tl`` W2 elsewhere.
 """
 
-try:
+from .awq_mma import chunk_constraints, chunk_ptx
+from .timeline import W2_STAMP_COUNT
+from .w13_ring import AVAILABLE  # Gluon importable (w13_ring tries); without it the tl W2 serves every config
+
+if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    AVAILABLE = True
-except ImportError:  # a Triton without Gluon: the tl W2 serves every config
-    AVAILABLE = False
-
-
-from .awq_mma import chunk_constraints, chunk_ptx
-from .timeline import W2_STAMP_COUNT
-
-if AVAILABLE:
     from .w13_ring import _now
 
     @gluon.jit
