@@ -174,7 +174,8 @@ def launched_kernels(dtype, M, timeline=False):
     if w2_is_gluon:
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        w2 = compile_kernel(w2_ring.w2_ring_kernel, dict(w2_consts, CHUNKS_PAD=grouped._next_pow2(N // 32)),
+        w2 = compile_kernel(w2_ring.w2_ring_kernel, dict(w2_consts, CHUNKS_PAD=grouped._next_pow2(N // 32),
+                                                         AHEAD=min(config.w2_copy_ahead, N // 32)),
                             pointers, config.w2_warps, dict(rows=rows, stride_om=K),
                             config.w2_compile_options(capability), source=GluonASTSource)
     else:

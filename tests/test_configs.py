@@ -120,3 +120,25 @@ def test_which_w13_kernel_runs(monkeypatch, capability, warps, stages, switch, e
     else:
         monkeypatch.setenv(GLUON_W13_ENV, switch)
     assert grouped.uses_w13_ring(GroupedConfig(w13_warps=warps, w13_ring_stages=stages), capability) is expected
+
+
+def test_a_gluon_w2_without_a_chunk_copied_ahead_is_refused():
+    """The Gluon W2's scales and zeros travel in its first chunk's copy group, issued before the
+    PDL wait: a config (from a hand-edited tuning cache, say) with w2_copy_ahead below 1 is refused
+    before anything launches."""
+    import torch
+
+    from moe_grouped_decode.awq import synthetic_moe_weights
+    from moe_grouped_decode.kernels import grouped
+    from moe_grouped_decode.ops import alloc_workspace, workspace_views
+
+    E, hidden, N, G, M, k = 8, 64, 32, 32, 2, 3
+    gen = torch.Generator().manual_seed(0)
+    weights = synthetic_moe_weights(E, hidden, N, G, dtype=torch.float16, seed=0)
+    x = torch.randn(M, hidden, generator=gen).half()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).int()
+    topk_weights = torch.rand(M, k, generator=gen)
+    views = workspace_views(alloc_workspace(M, k, hidden, N, "cpu"), M * k, hidden, N)
+    config = dataclasses.replace(GroupedConfig(w2_ring=True), w2_copy_ahead=0).fitted(hidden)
+    with pytest.raises(ValueError, match="w2_copy_ahead must be at least 1 chunk, got 0"):
+        grouped.grouped_decode(x, topk_weights, ids, *weights.op_args(), views, torch.empty_like(x), config)

@@ -328,18 +328,19 @@ class _WithRnScale:
         return lambda *args, **kwargs: self.kernel[grid](*args, RN_SCALE=True, **kwargs)
 
 
-# (M, W2 warps, W13 ring stages): why
+# (M, W2 warps, W13 ring stages, chunks copied ahead): why
 W2_RING_CASES = [
-    (8, 8, 2),  # M = 8's table config: after the Gluon W13, so the W2 launch writes the compaction
-    (2, 4, 4),  # 4-warp programs, 20 rows
-    (5, 8, 0),  # after the tl W13 (it sorts: no compaction row), a token count off the table
+    (8, 8, 2, 2),  # M = 8's table config: after the Gluon W13, so the W2 launch writes the compaction
+    (8, 8, 2, 1),  # the weight copies one chunk ahead of the mma (one copy group in flight)
+    (2, 4, 4, 5),  # 4-warp programs, 20 rows, every chunk's copy issued before the wait (v10's order)
+    (5, 8, 0, 4),  # after the tl W13 (it sorts: no compaction row), a token count off the table
 ]
 
 
 @pytest.mark.skipif(not w2_ring.AVAILABLE, reason="needs Triton's Gluon")
-@pytest.mark.parametrize("M,warps,stages", W2_RING_CASES)
+@pytest.mark.parametrize("M,warps,stages,ahead", W2_RING_CASES)
 @pytest.mark.parametrize("pdl", [True, False])  # without PDL the launches are plain (pre-Hopper, the pdl switch)
-def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, pdl, monkeypatch):
+def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, ahead, pdl, monkeypatch):
     """The Gluon W2 (kernels/w2_ring.py: weights staged in shared memory) runs the tl W2's
     fragments, sums and combine: the same bits as the tl W2 with RN_SCALE, on routing where tokens
     share experts; its compaction (counted, not sorted) is the reference's."""
@@ -350,7 +351,7 @@ def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, p
 
     weights, cpu_weights = layer
     x, tw, ids, base = _gluon_vs_tl_case(layer, M, 17 + M, monkeypatch, w2_warps=warps, w2_max_registers=0,
-                                         w13_ring_stages=stages, pdl=pdl)
+                                         w13_ring_stages=stages, w2_copy_ahead=ahead, pdl=pdl)
     want = reference_segments(ids)
     outs = {}
     for ring in (False, True):

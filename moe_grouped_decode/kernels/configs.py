@@ -37,6 +37,9 @@ class GroupedConfig:
     # W2 as the Gluon kernel (w2_ring.py: weights staged in shared memory, not registers) where
     # Gluon runs (grouped.uses_w2_ring); same bits as the tl W2 with RN_SCALE
     w2_ring: bool = False
+    # the Gluon W2's weight copies: issued this many 32-row chunks ahead of the chunk its mma works
+    # on (>= 1; N / 32 or more: all before the PDL wait, as v10). 2 won at M = 8 (explorations run 54)
+    w2_copy_ahead: int = 2
 
     @property
     def w13_chunks(self) -> int:
@@ -96,7 +99,8 @@ QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 # rows at M = 2 and 4, 512 at M = 8, splits that tile K = 2560 exactly); more tokens want fewer
 # splits (every W2 program sums its row's splits again); the W2 register cap (four 4-warp
 # programs per SM instead of three) pays ~1.2 us at M = 4. At M = 8 the Gluon W2 with 8-warp
-# programs wins by 0.3-1.2 us in one process (explorations run 47); at M = 2 and 4 it loses (run 48).
+# programs wins by 0.3-1.2 us in one process (explorations run 47), 0.4-0.9 more with its copies
+# two chunks ahead of its mma (run 54); at M = 2 and 4 it loses (run 48).
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
     2: GroupedConfig(w13_block_k=256, w2_warps=8, w13_ring_stages=4),
     4: GroupedConfig(w13_block_k=256, w2_warps=4, w2_max_registers=128, w13_ring_stages=4),
@@ -121,7 +125,7 @@ def _safe(text: str) -> str:
 
 # Part of the cache file name: a kernel change that moves the timings bumps it, so configs
 # tuned for older kernels are not read back.
-KERNELS_VERSION = "v10"
+KERNELS_VERSION = "v11"
 
 
 def cache_path(gpu_name: str, triton_version: str) -> Path:

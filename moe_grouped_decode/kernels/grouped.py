@@ -387,6 +387,8 @@ def grouped_decode(
                          f"{CHUNK_ROWS.value} (the tensor-core chunk)")
     if config.w13_block_k != config.w13_chunks * CHUNK_ROWS.value * config.w13_warps:
         raise ValueError(f"grouped_decode: {config} is not fitted (GroupedConfig.fitted)")
+    if config.w2_copy_ahead < 1:
+        raise ValueError(f"grouped_decode: w2_copy_ahead must be at least 1 chunk, got {config.w2_copy_ahead}")
     capability = _check_device(hidden_states.device)
     rows = M * top_k
     splits = config.w13_splits(K)
@@ -440,6 +442,7 @@ def grouped_decode(
             scratch.sorted_rows, scratch.sorted_experts, scratch.active_experts, scratch.segment_offsets,
             scratch.live_count, w2_stamps,
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, CHUNKS_PAD=_next_pow2(N // CHUNK_ROWS.value),
+            AHEAD=min(config.w2_copy_ahead, N // CHUNK_ROWS.value),
             TOP_K=top_k, IS_BF16=is_bf16, USE_PDL=use_pdl, COMPACT=ring, R_PAD=max(16, _next_pow2(rows)),
             TIMELINE=timeline is not None, num_warps=config.w2_warps, **launch_options(use_pdl),
             **config.w2_compile_options(capability),

@@ -5,15 +5,19 @@ Same programs (row, column tile), fragments, PTX (``awq_mma``'s SPLIT_X, scale m
 the ``tl`` W2 built with ``RN_SCALE``. What differs is where a program keeps its weights: the
 ``tl`` W2 holds all five 32-row chunks in registers from before the PDL wait (128 or more
 registers: four programs per SM, two waves at M = 8); here ``cp.async`` copies them into shared
-memory before the wait (~80 registers, 52 KB: three programs per SM, and none beside W13's
-programs, whose shared-memory carveout is smaller; docs/PERF.md says why that is the gain), and
-the activations go through shared memory too (no ``act`` workspace round trip)::
+memory (~80 registers, 52 KB: three programs per SM, and none beside W13's programs, whose
+shared-memory carveout is smaller; docs/PERF.md says why that is the gain), and the activations go
+through shared memory too (no ``act`` workspace round trip). The copies run AHEAD chunks ahead of
+the mma: a thread whose copy stalls (all programs ask for their weights at once, more than the
+memory system holds in flight) would otherwise not reach the chunks that have already landed::
 
-    program (row, tile):  W2[expert][:, tile's columns], scales, zeros -> smem   (cp.async)
+    program (row, tile):  scales, zeros, W2 chunks 0..AHEAD-1 of the tile's columns -> smem  (cp.async)
                           wait for W13 (PDL)
                           act = silu(gate) * up from the row's partials, in split order
                             -> 16-bit hi + lo halves in smem
-                          warp w: 5 chunks of awq_mma on its 64 columns -> row_out[row]
+                          for chunk c: copy chunk c + AHEAD; wait for chunk c;
+                            warp w: awq_mma of chunk c on its 64 columns
+                          -> row_out[row]
                           last of the token's k programs on this tile: combine into out
     program (rows, 0), with COMPACT (the Gluon W13, which cannot sort, ran before):
                           the compaction, by counting instead of sorting
@@ -85,7 +89,7 @@ if AVAILABLE:
         topk_weights_ptr, out_ptr, stride_om, arrivals_ptr,
         sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr, timeline_ptr,
         K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr, WARPS: gl.constexpr,
-        CHUNKS_PAD: gl.constexpr, TOP_K: gl.constexpr, IS_BF16: gl.constexpr, USE_PDL: gl.constexpr,
+        CHUNKS_PAD: gl.constexpr, AHEAD: gl.constexpr, TOP_K: gl.constexpr, IS_BF16: gl.constexpr, USE_PDL: gl.constexpr,
         COMPACT: gl.constexpr, R_PAD: gl.constexpr, TIMELINE: gl.constexpr,
     ):
         """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols] and the fused
@@ -119,8 +123,6 @@ if AVAILABLE:
         w_src = qweight_ptr + expert * (N * PACKED_K) + chunk_row * PACKED_K + word0 + ww * 8 + wj
         w_smem = gl.allocate_shared_memory(gl.int32, [CHUNKS, WARPS, 32, 8],
                                            gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        for c in gl.static_range(CHUNKS):
-            async_copy.async_copy_global_to_shared(w_smem.index(c), w_src + c * 32 * PACKED_K)
         # scales [chunk, warp, 64] and zeros [chunk, warp, 8] (a chunk lies inside one group)
         s_copy: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, WARPS, 1], [2, 1, 0])
         sc = gl.arange(0, CHUNKS_PAD, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_copy)))[:, None, None]
@@ -139,7 +141,12 @@ if AVAILABLE:
         async_copy.async_copy_global_to_shared(
             z_smem, qzeros_ptr + expert * (N // G * PACKED_K) + (zc * 32 // G) * PACKED_K + word0 + zw * 8 + zj,
             mask=(zc < CHUNKS) & (zw >= 0) & (zj >= 0))
-        async_copy.commit_group()
+        # the first AHEAD chunks' words now, one copy group each (the scales and zeros ride in the
+        # first); the rest one chunk at a time inside the mma loop, so a thread stalled issuing
+        # copies into a saturated memory system is not kept from the chunks that have landed
+        for c in gl.static_range(AHEAD):
+            async_copy.async_copy_global_to_shared(w_smem.index(c), w_src + c * 32 * PACKED_K)
+            async_copy.commit_group()
 
         if USE_PDL:  # pdl.wait_for_previous_launch, in Gluon: W13's partials are complete past here
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
@@ -173,8 +180,6 @@ if AVAILABLE:
         s_rows = s_smem._reinterpret(scales_ptr.dtype.element_ty, [CHUNKS_PAD, WARPS, 64],
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         z_rows = z_smem._reinterpret(gl.int32, [CHUNKS_PAD, WARPS, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        async_copy.wait_group(0)
-        gl.thread_barrier()  # the activations and every warp's copies are in shared memory
         if TIMELINE:
             gl.store(stamps + 2, _now())
 
@@ -189,6 +194,12 @@ if AVAILABLE:
         acc_hi = gl.zeros([WARPS, 8, 4, 8], gl.float32, layout=frag)
         x_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, frag))
         for c in gl.static_range(CHUNKS):
+            if c + AHEAD < CHUNKS:
+                async_copy.async_copy_global_to_shared(w_smem.index(c + AHEAD), w_src + (c + AHEAD) * 32 * PACKED_K)
+                async_copy.commit_group()
+            # chunk c's copy group is done once no more than the later chunks' groups are pending
+            async_copy.wait_group(AHEAD if c + AHEAD < CHUNKS else CHUNKS - 1 - c)
+            gl.thread_barrier()  # chunk c's words (and, at c = 0, the activations) from every thread
             # [warp, 32 (q), 8 (g)] -> [warp, e // 4, e % 4, t, g] -> [warp, g, t, e // 4, e % 4] -> [warp, g, t, e]
             words = w_smem.index(c).reshape([WARPS, 2, 4, 4, 8]).permute([0, 4, 3, 1, 2]).reshape(
                 [WARPS, 8, 4, 8]).load(frag)
