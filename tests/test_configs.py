@@ -76,7 +76,7 @@ def test_tuned_cache_round_trip_and_precedence(tmp_path, monkeypatch):
     path = configs.cache_path("NVIDIA H200 (test)", "3.6.0")
     assert path.parent == tmp_path and " " not in path.name
     assert configs.KERNELS_VERSION in path.name  # configs tuned for other kernels are not read back
-    tuned = GroupedConfig(w13_block_k=256, w2_warps=8, w2_max_registers=128)
+    tuned = GroupedConfig(w13_block_k=256, w2_warps=8, w2_max_registers=128, w2_ring=True, w2_copy_ahead=3)
     key = configs.shape_key(QWEN38_TP4_SHAPE, "fp16", 4)
     configs.store_tuned(path, key, tuned)
     # a tuned entry wins over the table
@@ -122,10 +122,11 @@ def test_which_w13_kernel_runs(monkeypatch, capability, warps, stages, switch, e
     assert grouped.uses_w13_ring(GroupedConfig(w13_warps=warps, w13_ring_stages=stages), capability) is expected
 
 
-def test_a_gluon_w2_without_a_chunk_copied_ahead_is_refused():
-    """The Gluon W2's scales and zeros travel in its first chunk's copy group, issued before the
-    PDL wait: a config (from a hand-edited tuning cache, say) with w2_copy_ahead below 1 is refused
-    before anything launches."""
+@pytest.mark.parametrize("ahead", [0, -1])  # 0: the edge; -1: would index before the first chunk
+def test_a_gluon_w2_without_a_chunk_copied_ahead_is_refused(ahead):
+    """The Gluon W2 was measured and tested with 1 or more chunks copied ahead of its mma (and a
+    negative count would index before its first chunk): a config (from a hand-edited tuning
+    cache, say) below that is refused before anything launches."""
     import torch
 
     from moe_grouped_decode.awq import synthetic_moe_weights
@@ -139,6 +140,6 @@ def test_a_gluon_w2_without_a_chunk_copied_ahead_is_refused():
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).int()
     topk_weights = torch.rand(M, k, generator=gen)
     views = workspace_views(alloc_workspace(M, k, hidden, N, "cpu"), M * k, hidden, N)
-    config = dataclasses.replace(GroupedConfig(w2_ring=True), w2_copy_ahead=0).fitted(hidden)
-    with pytest.raises(ValueError, match="w2_copy_ahead must be at least 1 chunk, got 0"):
+    config = dataclasses.replace(GroupedConfig(w2_ring=True), w2_copy_ahead=ahead).fitted(hidden)
+    with pytest.raises(ValueError, match=rf"w2_copy_ahead \(the Gluon W2's .*\) must be at least 1, got {ahead}"):
         grouped.grouped_decode(x, topk_weights, ids, *weights.op_args(), views, torch.empty_like(x), config)

@@ -328,11 +328,12 @@ class _WithRnScale:
         return lambda *args, **kwargs: self.kernel[grid](*args, RN_SCALE=True, **kwargs)
 
 
-# (M, W2 warps, W13 ring stages, chunks copied ahead): why
+# (M, W2 warps, W13 ring stages, chunks copied ahead or None for the table's): why
 W2_RING_CASES = [
-    (8, 8, 2, 2),  # M = 8's table config: after the Gluon W13, so the W2 launch writes the compaction
+    (8, 8, 2, None),  # M = 8's table config: after the Gluon W13, so the W2 launch writes the compaction
     (8, 8, 2, 1),  # the weight copies one chunk ahead of the mma (one copy group in flight)
-    (2, 4, 4, 5),  # 4-warp programs, 20 rows, every chunk's copy issued before the wait (v10's order)
+    (8, 8, 2, 8),  # more chunks ahead than there are (5): the host clamps, all copies before the wait
+    (2, 4, 4, 3),  # 4-warp programs, 20 rows, three chunks ahead
     (5, 8, 0, 4),  # after the tl W13 (it sorts: no compaction row), a token count off the table
 ]
 
@@ -350,8 +351,9 @@ def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, a
     from moe_grouped_decode.ops.cuda import launch_grouped
 
     weights, cpu_weights = layer
+    ahead = {} if ahead is None else {"w2_copy_ahead": ahead}
     x, tw, ids, base = _gluon_vs_tl_case(layer, M, 17 + M, monkeypatch, w2_warps=warps, w2_max_registers=0,
-                                         w13_ring_stages=stages, w2_copy_ahead=ahead, pdl=pdl)
+                                         w13_ring_stages=stages, pdl=pdl, **ahead)
     want = reference_segments(ids)
     outs = {}
     for ring in (False, True):

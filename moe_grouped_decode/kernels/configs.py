@@ -38,7 +38,8 @@ class GroupedConfig:
     # Gluon runs (grouped.uses_w2_ring); same bits as the tl W2 with RN_SCALE
     w2_ring: bool = False
     # the Gluon W2's weight copies: issued this many 32-row chunks ahead of the chunk its mma works
-    # on (>= 1; N / 32 or more: all before the PDL wait, as v10). 2 won at M = 8 (explorations run 54)
+    # on (>= 1; N / 32 or more: all before the PDL wait, v10's issue order, though each chunk is
+    # still waited for on its own). 2 won at M = 8 (explorations run 54)
     w2_copy_ahead: int = 2
 
     @property

@@ -34,7 +34,8 @@ Launches (no host sync; every grid is sized by the static R = M * k rows)::
    shared memory instead of registers: same bits as this kernel with RN_SCALE
    (the scale multiply rounded on its own). Its 52 KB of shared memory keep it
    off the SMs W13's programs hold (the carveout, docs/PERF.md), so W13 runs
-   alone and ends earlier, which is where it gains. Without ``fused_combine`` the combine is a third
+   alone and ends earlier, and it copies its weights a few chunks ahead of its
+   mma, so the mma runs while the later chunks stream in. Without ``fused_combine`` the combine is a third
    launch (``combine.py``). With ``pdl`` (Hopper and newer) each launch lets the
    next one start early (programmatic dependent launch); the next one waits for
    it before reading what it wrote.
@@ -387,8 +388,9 @@ def grouped_decode(
                          f"{CHUNK_ROWS.value} (the tensor-core chunk)")
     if config.w13_block_k != config.w13_chunks * CHUNK_ROWS.value * config.w13_warps:
         raise ValueError(f"grouped_decode: {config} is not fitted (GroupedConfig.fitted)")
-    if config.w2_copy_ahead < 1:
-        raise ValueError(f"grouped_decode: w2_copy_ahead must be at least 1 chunk, got {config.w2_copy_ahead}")
+    if config.w2_copy_ahead < 1:  # the range the Gluon W2 was measured and tested with
+        raise ValueError(f"grouped_decode: w2_copy_ahead (the Gluon W2's weight chunks copied ahead of its mma) "
+                         f"must be at least 1, got {config.w2_copy_ahead}")
     capability = _check_device(hidden_states.device)
     rows = M * top_k
     splits = config.w13_splits(K)

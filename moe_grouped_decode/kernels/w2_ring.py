@@ -110,6 +110,7 @@ if AVAILABLE:
                 return
         PACKED_K: gl.constexpr = K // 8
         CHUNKS: gl.constexpr = N // 32
+        gl.static_assert((AHEAD >= 1) and (AHEAD <= CHUNKS), "AHEAD: 1 to N / 32 chunks (grouped.py clamps it)")
         HALF: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
         expert = gl.load(ids_ptr + row).to(gl.int64)
         word0 = tile * (WARPS * 8)  # the program's first packed column; warp w has words word0 + 8 w + g
