@@ -169,6 +169,7 @@ def launched_kernels(dtype, M, timeline=False):
     yield f"M={M} {dtype} w13-tl-tile-path", w13_tile, w13_weights, None, config.w13_warps, True
     w2_consts = dict(K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, TOP_K=k,
                      IS_BF16=dtype == "bf16", USE_PDL=use_pdl, COMPACT=ring, R_PAD=max(16, grouped._next_pow2(rows)),
+                     ACT_SPLIT=config.w2_act_split,
                      TIMELINE=timeline)
     w2_is_gluon = grouped.uses_w2_ring(config, capability, K)
     if w2_is_gluon:

@@ -79,16 +79,23 @@ def run_grouped(weights, x, tw, ids, config: GroupedConfig):
     return out, views
 
 
-def check_row_outputs(name: str, weights, x, ids, views) -> None:
+def check_row_outputs(name: str, weights, x, ids, views, act_split: bool = True) -> None:
     """W2's float32 row outputs (before the combine) against float64, to a bound far tighter
     than the 16-bit outputs': it fails if W2 drops the lo half of its activations (a 16-bit
-    act alone is off by ~2^-12 of max|ref| in fp16, ~2^-9 in bf16)."""
+    act alone is off by ~2^-12 of max|ref| in fp16, ~2^-9 in bf16). Without ``act_split`` the
+    reference rounds the activations to the 16-bit dtype as the kernel does under the interpreter:
+    to nearest in fp16, by truncation in bf16 (Triton's interpreter converts float32 to bfloat16
+    by dropping the low 16 bits, whatever the rounding mode asked; a GPU rounds to nearest)."""
     k = ids.shape[1]
     ref = torch.empty(ids.numel(), x.shape[1], dtype=torch.float64)
     for row, expert in enumerate(ids.flatten().tolist()):
         w13, w2 = (w.double() for w in weights.dequantized_expert(expert))
         gate_up = x[row // k].double() @ w13
         act = torch.nn.functional.silu(gate_up[: w2.shape[0]]) * gate_up[w2.shape[0]:]
+        if not act_split and x.dtype == torch.bfloat16:
+            act = (act.float().view(torch.int32) & -0x10000).view(torch.float32).double()
+        elif not act_split:
+            act = act.to(x.dtype).double()
         ref[row] = act @ w2
     scaled = ((views.row_outputs.double() - ref).abs().max() / ref.abs().max()).item()
     bound = ROW_OUTPUT_BOUND[x.dtype]
@@ -111,6 +118,8 @@ def main() -> None:
         (8, 2, 96, 64, 32, 3, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w2_warps=2)),
         # the combine as its own launch (not fused into W2): multi-row segments, two W2 column tiles
         (8, 3, 128, 32, 32, 4, "single_hot", torch.float16, dataclasses.replace(base, fused_combine=False)),
+        # W2's activations rounded to one 16-bit half (one mma per chunk), bf16: the coarser rounding
+        (8, 3, 64, 64, 32, 2, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w2_act_split=False)),
     ]
     for E, k, K, N, G, M, pattern, dtype, config in cases:
         weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + M)
@@ -120,7 +129,7 @@ def main() -> None:
         name = f"grouped E={E} k={k} K={K} N={N} G={G} M={M} {pattern} {dtype} {config}"
         out, views = run_grouped(weights, x, tw, ids, config)
         check(name, out, reference_moe(x, tw, ids, *weights.op_args()), dtype)
-        check_row_outputs(name, weights, x, ids, views)
+        check_row_outputs(name, weights, x, ids, views, config.w2_act_split)
         check_segments(name, ids, views)
         # the last token alone gives the same bits (position and neighbour independence)
         alone, _ = run_grouped(weights, x[-1:], tw[-1:], ids[-1:], config)

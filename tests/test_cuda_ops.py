@@ -328,20 +328,23 @@ class _WithRnScale:
         return lambda *args, **kwargs: self.kernel[grid](*args, RN_SCALE=True, **kwargs)
 
 
-# (M, W2 warps, W13 ring stages, chunks copied ahead or None for the table's): why
+# (M, W2 warps, W13 ring stages, chunks copied ahead or None for the table's, activations as a
+# hi + lo pair): why
 W2_RING_CASES = [
-    (8, 8, 2, None),  # M = 8's table config: after the Gluon W13, so the W2 launch writes the compaction
-    (8, 8, 2, 1),  # the weight copies one chunk ahead of the mma (one copy group in flight)
-    (8, 8, 2, 8),  # more chunks ahead than there are (5): the host clamps, all copies before the wait
-    (2, 4, 4, 3),  # 4-warp programs, 20 rows, three chunks ahead
-    (5, 8, 0, 4),  # after the tl W13 (it sorts: no compaction row), a token count off the table
+    (8, 8, 2, None, True),  # M = 8's table config: after the Gluon W13, so the W2 launch writes the compaction
+    (8, 8, 2, 1, True),  # the weight copies one chunk ahead of the mma (one copy group in flight)
+    (8, 8, 2, 8, True),  # more chunks ahead than there are (5): the host clamps, all copies before the wait
+    (2, 4, 4, 3, True),  # 4-warp programs, 20 rows, three chunks ahead
+    (5, 8, 0, 4, True),  # after the tl W13 (it sorts: no compaction row), a token count off the table
+    (8, 8, 2, None, False),  # the activations rounded to one 16-bit half: one mma per chunk
+    (3, 4, 4, 2, False),  # the same with 4-warp programs, 30 rows
 ]
 
 
 @pytest.mark.skipif(not w2_ring.AVAILABLE, reason="needs Triton's Gluon")
-@pytest.mark.parametrize("M,warps,stages,ahead", W2_RING_CASES)
+@pytest.mark.parametrize("M,warps,stages,ahead,act_split", W2_RING_CASES)
 @pytest.mark.parametrize("pdl", [True, False])  # without PDL the launches are plain (pre-Hopper, the pdl switch)
-def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, ahead, pdl, monkeypatch):
+def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, ahead, act_split, pdl, monkeypatch):
     """The Gluon W2 (kernels/w2_ring.py: weights staged in shared memory) runs the tl W2's
     fragments, sums and combine: the same bits as the tl W2 with RN_SCALE, on routing where tokens
     share experts; its compaction (counted, not sorted) is the reference's."""
@@ -353,7 +356,7 @@ def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, a
     weights, cpu_weights = layer
     ahead = {} if ahead is None else {"w2_copy_ahead": ahead}
     x, tw, ids, base = _gluon_vs_tl_case(layer, M, 17 + M, monkeypatch, w2_warps=warps, w2_max_registers=0,
-                                         w13_ring_stages=stages, pdl=pdl, **ahead)
+                                         w13_ring_stages=stages, w2_act_split=act_split, pdl=pdl, **ahead)
     want = reference_segments(ids)
     outs = {}
     for ring in (False, True):

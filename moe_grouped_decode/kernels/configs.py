@@ -41,6 +41,9 @@ class GroupedConfig:
     # on (>= 1; N / 32 or more: all before the PDL wait, v10's issue order, though each chunk is
     # still waited for on its own). 2 won at M = 8 (explorations run 54)
     w2_copy_ahead: int = 2
+    # W2's float32 activations as a 16-bit hi + lo pair, two mma per chunk (exact to ~2^-22); False:
+    # rounded to one 16-bit value (as vLLM's fused_moe stores them between its GEMMs), one mma
+    w2_act_split: bool = True
 
     @property
     def w13_chunks(self) -> int:

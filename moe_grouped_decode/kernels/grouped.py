@@ -204,7 +204,7 @@ def _w2_rows_kernel(
     N_PAD: tl.constexpr, TOP_K: tl.constexpr,
     IS_BF16: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_PDL: tl.constexpr,
     COMPACT: tl.constexpr, R_PAD: tl.constexpr,
-    timeline_ptr, TIMELINE: tl.constexpr, RN_SCALE: tl.constexpr = False,
+    timeline_ptr, TIMELINE: tl.constexpr, RN_SCALE: tl.constexpr = False, ACT_SPLIT: tl.constexpr = True,
 ):
     """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32.
 
@@ -271,7 +271,7 @@ def _w2_rows_kernel(
         act_hi = act.to(HALF)
         act_lo = (act - act_hi.to(tl.float32)).to(HALF)
         words, scales, zeros = weights[c]
-        d_lo, d_hi = awq_mma_chunk(words, act_hi, act_lo, scales, zeros, IS_BF16, True, WARPS, RN_SCALE)
+        d_lo, d_hi = awq_mma_chunk(words, act_hi, act_lo, scales, zeros, IS_BF16, ACT_SPLIT, WARPS, RN_SCALE)
         acc_lo += d_lo
         acc_hi += d_hi
     cols = chunk_columns(word, e)
@@ -444,7 +444,7 @@ def grouped_decode(
             scratch.sorted_rows, scratch.sorted_experts, scratch.active_experts, scratch.segment_offsets,
             scratch.live_count, w2_stamps,
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, CHUNKS_PAD=_next_pow2(N // CHUNK_ROWS.value),
-            AHEAD=min(config.w2_copy_ahead, N // CHUNK_ROWS.value),
+            AHEAD=min(config.w2_copy_ahead, N // CHUNK_ROWS.value), ACT_SPLIT=config.w2_act_split,
             TOP_K=top_k, IS_BF16=is_bf16, USE_PDL=use_pdl, COMPACT=ring, R_PAD=max(16, _next_pow2(rows)),
             TIMELINE=timeline is not None, num_warps=config.w2_warps, **launch_options(use_pdl),
             **config.w2_compile_options(capability),
@@ -462,7 +462,7 @@ def grouped_decode(
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=_next_pow2(N), TOP_K=top_k,
             IS_BF16=is_bf16, FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
             COMPACT=ring, R_PAD=max(16, _next_pow2(rows)), timeline_ptr=w2_stamps, TIMELINE=timeline is not None,
-            num_warps=config.w2_warps, **launch_options(use_pdl), **config.w2_compile_options(capability),
+            ACT_SPLIT=config.w2_act_split, num_warps=config.w2_warps, **launch_options(use_pdl), **config.w2_compile_options(capability),
         )
     if not config.fused_combine and "combine" in stages:
         combine_rows(scratch.row_outputs, topk_weights, out, use_pdl)

@@ -89,7 +89,7 @@ if AVAILABLE:
         topk_weights_ptr, out_ptr, stride_om, arrivals_ptr,
         sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr, timeline_ptr,
         K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr, WARPS: gl.constexpr,
-        CHUNKS_PAD: gl.constexpr, AHEAD: gl.constexpr, TOP_K: gl.constexpr, IS_BF16: gl.constexpr, USE_PDL: gl.constexpr,
+        CHUNKS_PAD: gl.constexpr, AHEAD: gl.constexpr, ACT_SPLIT: gl.constexpr, TOP_K: gl.constexpr, IS_BF16: gl.constexpr, USE_PDL: gl.constexpr,
         COMPACT: gl.constexpr, R_PAD: gl.constexpr, TIMELINE: gl.constexpr,
     ):
         """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols] and the fused
@@ -169,15 +169,16 @@ if AVAILABLE:
             up += gl.load(part + N, mask=n_ok, other=0.0)
         act = gate / (1.0 + gl.exp(-gate)) * up
         act_hi = act.to(HALF)
-        # sub.rn: not contracted with the product above (the tl W2 subtracts from a reloaded act)
-        act_lo = gl.inline_asm_elementwise("sub.rn.f32 $0, $1, $2;", "=f,f,f", [act, act_hi.to(gl.float32)],
-                                           dtype=gl.float32, is_pure=True, pack=1).to(HALF)
         rows_2d: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         per_chunk: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         hi_rows = gl.allocate_shared_memory(HALF, [CHUNKS_PAD, 32], rows_2d, act_hi)._reinterpret(
             HALF, [CHUNKS_PAD, 32], per_chunk)
-        lo_rows = gl.allocate_shared_memory(HALF, [CHUNKS_PAD, 32], rows_2d, act_lo)._reinterpret(
-            HALF, [CHUNKS_PAD, 32], per_chunk)
+        if ACT_SPLIT:
+            # sub.rn: not contracted with the product above (the tl W2 subtracts from a reloaded act)
+            act_lo = gl.inline_asm_elementwise("sub.rn.f32 $0, $1, $2;", "=f,f,f", [act, act_hi.to(gl.float32)],
+                                               dtype=gl.float32, is_pure=True, pack=1).to(HALF)
+            lo_rows = gl.allocate_shared_memory(HALF, [CHUNKS_PAD, 32], rows_2d, act_lo)._reinterpret(
+                HALF, [CHUNKS_PAD, 32], per_chunk)
         s_rows = s_smem._reinterpret(scales_ptr.dtype.element_ty, [CHUNKS_PAD, WARPS, 64],
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         z_rows = z_smem._reinterpret(gl.int32, [CHUNKS_PAD, WARPS, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -207,16 +208,22 @@ if AVAILABLE:
             # activation row 16 (e // 4) + 4 t + e % 4 in every B column (only D's column 0 is stored)
             x_hi = gl.broadcast(gl.expand_dims(gl.expand_dims(
                 hi_rows.index(c).reshape([2, 4, 4]).permute([1, 0, 2]).reshape([4, 8]).load(x_layout), 0), 0), fill)[0]
-            x_lo = gl.broadcast(gl.expand_dims(gl.expand_dims(
-                lo_rows.index(c).reshape([2, 4, 4]).permute([1, 0, 2]).reshape([4, 8]).load(x_layout), 0), 0), fill)[0]
             scales = gl.broadcast(gl.expand_dims(
                 s_rows.index(c).reshape([WARPS, 8, 8]).load(gl.SliceLayout(2, frag)), 2), fill)[0]
             zeros = gl.broadcast(gl.expand_dims(gl.expand_dims(
                 z_rows.index(c).load(gl.SliceLayout(2, gl.SliceLayout(3, frag))), 2), 3), fill)[0]
             # the scale multiply rounded on its own (mul.rn): the tl W2's bits with RN_SCALE
-            d_lo, d_hi = gl.inline_asm_elementwise(chunk_ptx(IS_BF16, True, True), chunk_constraints(True),
-                                                   [words, x_hi, x_lo, scales, zeros],
-                                                   dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
+            if ACT_SPLIT:
+                x_lo = gl.broadcast(gl.expand_dims(gl.expand_dims(
+                    lo_rows.index(c).reshape([2, 4, 4]).permute([1, 0, 2]).reshape([4, 8]).load(x_layout), 0), 0),
+                    fill)[0]
+                d_lo, d_hi = gl.inline_asm_elementwise(chunk_ptx(IS_BF16, True, True), chunk_constraints(True),
+                                                       [words, x_hi, x_lo, scales, zeros],
+                                                       dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
+            else:
+                d_lo, d_hi = gl.inline_asm_elementwise(chunk_ptx(IS_BF16, False, True), chunk_constraints(False),
+                                                       [words, x_hi, scales, zeros],
+                                                       dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
             acc_lo += d_lo
             acc_hi += d_hi
         # awq_mma.chunk_columns: element 4 j + c is column 2 j + c // 2 (d_lo, j = 0, 1; d_hi +4)
