@@ -15,6 +15,7 @@ combine, which one program per token and tile runs (and, with the ring W13, the 
 """
 import argparse
 import collections
+import dataclasses
 import re
 import subprocess
 import sys
@@ -129,15 +130,17 @@ PTR16 = {"x_ptr": "*fp16", "ids_ptr": "*i32", "qweight_ptr": "*i32", "scales_ptr
          "topk_weights_ptr": "*fp32", "out_ptr": "*fp16", "timeline_ptr": "*i64"}
 
 
-def launched_kernels(dtype, M, timeline=False):
+def launched_kernels(dtype, M, timeline=False, changes=None):
     """Compile, for TARGET, the kernels one grouped call at the qwen3.8-tp4 shape launches for
-    ``dtype`` and M (the table's config), and the tl W13 at the same split with program 0's sort
-    and counter zeroing cut down to nothing (the tile programs' own count). Yields (name, kernel,
-    weights per program, grid or None, warps, whether its fragment layouts are Triton's to check);
-    ``timeline``: with the per-program timestamps compiled in (kernels/timeline.py)."""
+    ``dtype`` and M (the table's config, with ``changes`` to its fields), and the tl W13 at the
+    same split with program 0's sort and counter zeroing cut down to nothing (the tile programs'
+    own count). Yields (name, kernel, weights per program, grid or None, warps, whether its
+    fragment layouts are Triton's to check); ``timeline``: with the per-program timestamps
+    compiled in (kernels/timeline.py)."""
     K, N, G, k = c.hidden_size, c.intermediate_size, c.group_size, c.top_k
     capability = divmod(TARGET.arch, 10)
-    config = configs.grouped_config(QWEN38_TP4_SHAPE, dtype, M, grouped.ring_available(capability))
+    config = dataclasses.replace(configs.grouped_config(QWEN38_TP4_SHAPE, dtype, M, grouped.ring_available(capability)),
+                                 **(changes or {}))
     use_pdl = config.pdl and TARGET.arch >= 90  # as kernels.pdl.pdl_supported decides at launch
     pointers = dict(PTR16, **{name: f"*{dtype}" for name in ("x_ptr", "scales_ptr", "out_ptr")})
     rows = M * k

@@ -25,6 +25,8 @@ from moe_grouped_decode.ops.workspace import alloc_workspace, workspace_views  #
 # 8x the bound, as the CPU op tests use.
 BOUND = {torch.float16: 2e-3, torch.bfloat16: 16e-3}
 ROW_OUTPUT_BOUND = {torch.float16: 1e-5, torch.bfloat16: 1e-4}
+# W2's float32 activations (silu(gate) * up of float32 partial sums) against float64
+ACT_BOUND = 1e-6
 
 
 def output_buffer(x: torch.Tensor) -> torch.Tensor:
@@ -82,21 +84,34 @@ def run_grouped(weights, x, tw, ids, config: GroupedConfig):
 def check_row_outputs(name: str, weights, x, ids, views, act_split: bool = True) -> None:
     """W2's float32 row outputs (before the combine) against float64, to a bound far tighter
     than the 16-bit outputs': it fails if W2 drops the lo half of its activations (a 16-bit
-    act alone is off by ~2^-12 of max|ref| in fp16, ~2^-9 in bf16). Without ``act_split`` the
-    reference rounds the activations to the 16-bit dtype as the kernel does under the interpreter:
-    to nearest in fp16, by truncation in bf16 (Triton's interpreter converts float32 to bfloat16
-    by dropping the low 16 bits, whatever the rounding mode asked; a GPU rounds to nearest)."""
+    act alone is off by ~2^-12 of max|ref| in fp16, ~2^-9 in bf16). Without ``act_split`` W2
+    rounds its own float32 activations to 16 bits, and float64 ones can round the other way near a
+    boundary; so the kernel's activations (``views.activations``, the tl W2 writes them) are
+    checked against float64, and the row outputs against them rounded as the kernel does under
+    the interpreter: to nearest in fp16, by truncation in bf16 (Triton's interpreter converts
+    float32 to bfloat16 by dropping the low 16 bits, whatever the rounding mode asked; a GPU
+    rounds to nearest)."""
     k = ids.shape[1]
     ref = torch.empty(ids.numel(), x.shape[1], dtype=torch.float64)
+    acts = torch.empty(ids.numel(), weights.intermediate_size, dtype=torch.float64)
     for row, expert in enumerate(ids.flatten().tolist()):
         w13, w2 = (w.double() for w in weights.dequantized_expert(expert))
         gate_up = x[row // k].double() @ w13
-        act = torch.nn.functional.silu(gate_up[: w2.shape[0]]) * gate_up[w2.shape[0]:]
-        if not act_split and x.dtype == torch.bfloat16:
-            act = (act.float().view(torch.int32) & -0x10000).view(torch.float32).double()
-        elif not act_split:
-            act = act.to(x.dtype).double()
+        acts[row] = torch.nn.functional.silu(gate_up[: w2.shape[0]]) * gate_up[w2.shape[0]:]
+        act = acts[row]
+        if not act_split:
+            own = views.activations[row].float()
+            if x.dtype == torch.bfloat16:
+                act = (own.view(torch.int32) & -0x10000).view(torch.float32).double()
+            else:
+                act = own.to(x.dtype).double()
         ref[row] = act @ w2
+    if not act_split:
+        scaled = ((views.activations.double() - acts).abs().max() / acts.abs().max()).item()
+        print(f"{'ok  ' if scaled <= ACT_BOUND else 'FAIL'} {name}: activations scaled={scaled:.3g} "
+              f"(bound {ACT_BOUND})", flush=True)
+        if scaled > ACT_BOUND:
+            sys.exit(1)
     scaled = ((views.row_outputs.double() - ref).abs().max() / ref.abs().max()).item()
     bound = ROW_OUTPUT_BOUND[x.dtype]
     print(f"{'ok  ' if scaled <= bound else 'FAIL'} {name}: row outputs scaled={scaled:.3g} (bound {bound})", flush=True)
@@ -118,8 +133,11 @@ def main() -> None:
         (8, 2, 96, 64, 32, 3, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w2_warps=2)),
         # the combine as its own launch (not fused into W2): multi-row segments, two W2 column tiles
         (8, 3, 128, 32, 32, 4, "single_hot", torch.float16, dataclasses.replace(base, fused_combine=False)),
-        # W2's activations rounded to one 16-bit half (one mma per chunk), bf16: the coarser rounding
+        # W2's activations rounded to one 16-bit half (one mma per chunk), bf16 (the coarser rounding,
+        # by truncation here) and fp16 (to nearest)
         (8, 3, 64, 64, 32, 2, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w2_act_split=False)),
+        (8, 2, 96, 64, 32, 3, "round_robin", torch.float16, dataclasses.replace(base, w13_block_k=64, w2_warps=2,
+                                                                                 w2_act_split=False)),
     ]
     for E, k, K, N, G, M, pattern, dtype, config in cases:
         weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + M)

@@ -1,7 +1,7 @@
 """benchmarks/sass_stats.py compiles the shipped grouped kernels for sm_90 and sm_80 on a CPU machine.
 
 Guards the tool against kernel signature changes, compiles every inline-PTX variant
-(fp16 and bf16; W2's hi + lo activations) through ptxas, and checks one compile-time
+(fp16 and bf16; W2's activations as a hi + lo pair and as one half) through ptxas, and checks one compile-time
 property of the kernels the performance work relies on: no register spills (a spill turns
 every tile into local-memory traffic). Needs no GPU: Triton's bundled ptxas and
 cuobjdump do the work.
@@ -101,3 +101,34 @@ def test_constexpr_defaults_stay_constexprs():
     kernel = _sass_stats_module().compile_kernel(stores, {}, {"out_ptr": "*fp32"}, 1)
     ttir = kernel.asm["ttir"]
     assert "2.000000e+00" in ttir and "1.000000e+00" not in ttir, ttir
+
+
+@pytest.mark.parametrize("M", [
+    2,  # the tl W2 (M = 2's table entry)
+    8,  # the Gluon W2 (M = 8's)
+])
+def test_w2_with_one_activation_half_compiles_without_spills(M):
+    """w2_act_split=False (one 16-bit activation half, one mma per chunk) is in no table entry, so
+    the tool's main run does not build it: both W2 kernels, both dtypes, through ptxas for sm_90."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+import sass_stats
+for dtype in ("fp16", "bf16"):
+    for name, kernel, *_ in sass_stats.launched_kernels(dtype, {M}, changes=dict(w2_act_split=False)):
+        if name.endswith(" w2"):
+            usage = sass_stats.cuobjdump(kernel, "-res-usage")
+            print(name, usage.split("REG:")[1].split()[0], usage.split("STACK:")[1].split()[0],
+                  sass_stats.cuobjdump(kernel, "-sass").count("HMMA"))
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.split("\n")
+    rows = [line.split() for line in lines if line.startswith(f"M={M} ")]
+    assert [row[1] for row in rows] == ["fp16", "bf16"], result.stdout
+    for _, _, _, registers, stack, mmas in rows:
+        # one mma per 16 rows of each chunk's two 16-row halves: 5 chunks x 2 x 4 column tiles
+        assert 0 < int(registers) <= 255 and int(stack) == 0 and int(mmas) == 40, result.stdout
+

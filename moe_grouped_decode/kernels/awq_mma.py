@@ -36,7 +36,7 @@ dequantize-then-multiply. (An earlier version took the zero out with a second mm
 of -(magic + z): no pair adds, twice the mmas, and a float32 cancellation of
 magic * sum x that cost many ULPs on outputs near zero.) ``SPLIT_X`` passes float32
 activations as a hi + lo pair of 16-bit halves (two mmas each), for W2, whose input
-(silu(gate) * up) is float32. Under ``TRITON_INTERPRET=1`` (no PTX) ``awq_mma_chunk``
+(silu(gate) * up) is float32 (unless its config rounds them to one half). Under ``TRITON_INTERPRET=1`` (no PTX) ``awq_mma_chunk``
 computes the same lane layout with plain tensor ops, so CPU CI checks every index.
 """
 
@@ -129,7 +129,8 @@ def _chunk_asm(bf16: bool, split_x: bool, rn_scale: bool = False) -> str:
                       f"cvt.f32.f16 s{2 * n}, h{2 * n};", f"cvt.f32.f16 s{2 * n + 1}, h{2 * n + 1};"]
         for c in range(4):
             # rn_scale: .rn, so ptxas cannot fuse the scale multiply into the caller's accumulate (the
-            # Gluon W2 uses it; the tl W2 can, to give the same bits, in the test that compares them)
+            # Gluon W2 uses it, with or without split_x; the tl W2 can, to give the same bits, in the
+            # test that compares them)
             mul = "mul.rn.f32" if rn_scale else "mul.f32"
             lines.append(f"{mul} ${4 * n + c}, d{4 * n + c}, s{2 * n + c // 2};")
     lines.append("}")
@@ -189,8 +190,8 @@ def awq_mma_chunk(words, x_hi, x_lo, scales, zeros, IS_BF16: tl.constexpr, SPLIT
     """One 32-row chunk of a warp's 64 columns (layout in the module docstring), for every
     warp of the program: ``words`` int32, ``x_hi`` / ``x_lo`` 16-bit and ``scales`` [32 * WARPS, 8],
     ``zeros`` int32 [32 * WARPS, 1]. Returns float32 (d_lo, d_hi) [32 * WARPS, 8]; ``x_lo`` is
-    read only with SPLIT_X (x = x_hi + x_lo). RN_SCALE: the scale multiply rounded on its own (with
-    SPLIT_X, the Gluon W2's PTX)."""
+    read only with SPLIT_X (x = x_hi + x_lo). RN_SCALE: the scale multiply rounded on its own (the
+    Gluon W2's PTX)."""
     if _INLINE_PTX:
         if SPLIT_X:
             return tl.inline_asm_elementwise(chunk_ptx(IS_BF16, True, RN_SCALE), chunk_constraints(True),

@@ -1,9 +1,10 @@
 """Launch configurations: defaults per shape, the qwen3.8-tp4 table, and the autotune cache.
 
-A config only changes tiling, never results across runs: the grouped op's
-summation order depends on every field (tile shapes and warps place the
-reductions), so one shape and token count always use one config, and the
-position-independence of a token's bits holds within it.
+A config never changes results across runs: the grouped op's summation order
+depends on every field (tile shapes and warps place the reductions), so one
+shape and token count always use one config, and the position-independence of a
+token's bits holds within it. One field also sets W2's precision
+(``w2_act_split``); the autotune never varies it.
 
 Tuned configs (``VLLM_AWQ_MOE_GROUPED_DECODE_TUNE=1``, searched at warmup by
 ``ops.cuda.warmup``) are cached as JSON under ``~/.cache/moe_grouped_decode``
@@ -35,14 +36,16 @@ class GroupedConfig:
     # for 1-warp W13 programs where Gluon runs (grouped.uses_w13_ring); 0: the tl kernel. Same bits.
     w13_ring_stages: int = 4
     # W2 as the Gluon kernel (w2_ring.py: weights staged in shared memory, not registers) where
-    # Gluon runs (grouped.uses_w2_ring); same bits as the tl W2 with RN_SCALE
+    # Gluon runs (grouped.uses_w2_ring); same bits as the tl W2 with RN_SCALE and the same w2_act_split
     w2_ring: bool = False
     # the Gluon W2's weight copies: issued this many 32-row chunks ahead of the chunk its mma works
     # on (>= 1; N / 32 or more: all before the PDL wait, v10's issue order, though each chunk is
     # still waited for on its own). 2 won at M = 8 (explorations run 54)
     w2_copy_ahead: int = 2
-    # W2's float32 activations as a 16-bit hi + lo pair, two mma per chunk (exact to ~2^-22); False:
-    # rounded to one 16-bit value (as vLLM's fused_moe stores them between its GEMMs), one mma
+    # W2's float32 activations as a 16-bit hi + lo pair, two mma per chunk (exact to ~2^-22 of each
+    # value in fp16, ~2^-17 in bf16); False: rounded to one 16-bit value (as vLLM's fused_moe stores
+    # them between its GEMMs), one mma. A table change of it must bump KERNELS_VERSION: tuned cache
+    # entries carry it
     w2_act_split: bool = True
 
     @property

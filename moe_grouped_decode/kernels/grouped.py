@@ -29,7 +29,7 @@ Launches (no host sync; every grid is sized by the static R = M * k rows)::
 2. W2 (+ combine): see above; every program of a row sums the row's partials
    again (cheap in L2; fewer, longer splits as M grows keep it small), and
    64 columns per warp go through ``awq_mma`` with the float32 activations as
-   a 16-bit hi + lo pair. With ``w2_ring`` (M = 8's table entry), the same
+   a 16-bit hi + lo pair (or, with ``w2_act_split`` off, rounded to one). With ``w2_ring`` (M = 8's table entry), the same
    programs run as a Gluon kernel (``w2_ring.py``) that keeps its weights in
    shared memory instead of registers: same bits as this kernel with RN_SCALE
    (the scale multiply rounded on its own). Its 52 KB of shared memory keep it
@@ -214,7 +214,8 @@ def _w2_rows_kernel(
     are in flight while W13 finishes. Then the row's activations, from the W13
     partials summed in split order (every program of the row computes the same
     values and writes them to ``act`` [row, N]; a barrier, then each lane reads
-    back its fragment rows), split into a 16-bit hi + lo pair. With
+    back its fragment rows), split into a 16-bit hi + lo pair (ACT_SPLIT; else rounded to one
+    16-bit value, one mma per chunk). With
     FUSED_COMBINE, the last of a token's k programs on a column tile to arrive (an
     int32 counter per (token, tile), zeroed by the W13 launch) sums the token's k
     row outputs of that tile in j order into ``out``. RN_SCALE: the scale multiply as mul.rn, the
@@ -269,7 +270,7 @@ def _w2_rows_kernel(
     for c in tl.static_range(CHUNKS):
         act = tl.load(act_ptr + row * N + chunk_rows(c * CHUNK_ROWS, t, e), mask=g == 0, other=0.0)
         act_hi = act.to(HALF)
-        act_lo = (act - act_hi.to(tl.float32)).to(HALF)
+        act_lo = (act - act_hi.to(tl.float32)).to(HALF) if ACT_SPLIT else act_hi
         words, scales, zeros = weights[c]
         d_lo, d_hi = awq_mma_chunk(words, act_hi, act_lo, scales, zeros, IS_BF16, ACT_SPLIT, WARPS, RN_SCALE)
         acc_lo += d_lo

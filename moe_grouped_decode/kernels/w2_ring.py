@@ -1,11 +1,11 @@
 """W2 in Gluon: the ``tl`` W2's programs with their weights staged in shared memory, not registers.
 
-Same programs (row, column tile), fragments, PTX (``awq_mma``'s SPLIT_X, scale multiply
-``mul.rn``) and sums as ``grouped._w2_rows_kernel`` with the fused combine, so the same bits as
-the ``tl`` W2 built with ``RN_SCALE``. What differs is where a program keeps its weights: the
+Same programs (row, column tile), fragments, PTX (``awq_mma``'s, with SPLIT_X as ACT_SPLIT and
+the scale multiply ``mul.rn``) and sums as ``grouped._w2_rows_kernel`` with the fused combine, so
+the same bits as the ``tl`` W2 built with ``RN_SCALE`` and the same ACT_SPLIT. What differs is where a program keeps its weights: the
 ``tl`` W2 holds all five 32-row chunks in registers from before the PDL wait (128 or more
 registers: four programs per SM, two waves at M = 8); here ``cp.async`` copies them into shared
-memory (~80 registers, 52 KB: three programs per SM, and none beside W13's programs, whose
+memory (~80 registers, 52 KB: three programs per SM; 64-65 registers with one activation half, and none beside W13's programs, whose
 shared-memory carveout is smaller; docs/PERF.md says why that is the gain), and the activations go
 through shared memory too (no ``act`` workspace round trip). The copies run AHEAD chunks ahead of
 the mma: a thread whose copy stalls (all programs ask for their weights at once, more than the
@@ -14,7 +14,7 @@ memory system holds in flight) would otherwise not reach the chunks that have al
     program (row, tile):  scales, zeros, W2 chunks 0..AHEAD-1 of the tile's columns -> smem  (cp.async)
                           wait for W13 (PDL)
                           act = silu(gate) * up from the row's partials, in split order
-                            -> 16-bit hi + lo halves in smem
+                            -> 16-bit hi + lo halves (one half without ACT_SPLIT) in smem
                           for chunk c: copy chunk c + AHEAD; wait for chunk c;
                             warp w: awq_mma of chunk c on its 64 columns
                           -> row_out[row]
@@ -155,7 +155,7 @@ if AVAILABLE:
             gl.store(stamps + 1, _now())
 
         # act = silu(gate) * up (awq_tiles.silu_mul's formula) from the partials summed in split
-        # order, [chunk, 32 rows], split into 16-bit hi + lo halves in shared memory
+        # order, [chunk, 32 rows], as 16-bit hi + lo halves (or one half) in shared memory
         a_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
         ac = gl.arange(0, CHUNKS_PAD, layout=gl.SliceLayout(1, a_layout))[:, None]
         ar = gl.arange(0, 32, layout=gl.SliceLayout(0, a_layout))[None, :]
@@ -169,14 +169,15 @@ if AVAILABLE:
             up += gl.load(part + N, mask=n_ok, other=0.0)
         act = gate / (1.0 + gl.exp(-gate)) * up
         act_hi = act.to(HALF)
+        if ACT_SPLIT:
+            # sub.rn: not contracted with the product above (the tl W2 subtracts from a reloaded act)
+            act_lo = gl.inline_asm_elementwise("sub.rn.f32 $0, $1, $2;", "=f,f,f", [act, act_hi.to(gl.float32)],
+                                               dtype=gl.float32, is_pure=True, pack=1).to(HALF)
         rows_2d: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         per_chunk: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         hi_rows = gl.allocate_shared_memory(HALF, [CHUNKS_PAD, 32], rows_2d, act_hi)._reinterpret(
             HALF, [CHUNKS_PAD, 32], per_chunk)
         if ACT_SPLIT:
-            # sub.rn: not contracted with the product above (the tl W2 subtracts from a reloaded act)
-            act_lo = gl.inline_asm_elementwise("sub.rn.f32 $0, $1, $2;", "=f,f,f", [act, act_hi.to(gl.float32)],
-                                               dtype=gl.float32, is_pure=True, pack=1).to(HALF)
             lo_rows = gl.allocate_shared_memory(HALF, [CHUNKS_PAD, 32], rows_2d, act_lo)._reinterpret(
                 HALF, [CHUNKS_PAD, 32], per_chunk)
         s_rows = s_smem._reinterpret(scales_ptr.dtype.element_ty, [CHUNKS_PAD, WARPS, 64],
