@@ -81,10 +81,10 @@ def run_grouped(weights, x, tw, ids, config: GroupedConfig):
     return out, views
 
 
-def check_row_outputs(name: str, weights, x, ids, views, act_split: bool = True) -> None:
+def check_row_outputs(name: str, weights, x, ids, views, act_split: bool) -> None:
     """W2's float32 row outputs (before the combine) against float64, to a bound far tighter
-    than the 16-bit outputs': it fails if W2 drops the lo half of its activations (a 16-bit
-    act alone is off by ~2^-12 of max|ref| in fp16, ~2^-9 in bf16). Without ``act_split`` W2
+    than the 16-bit outputs'. With ``act_split`` it fails if W2 drops the lo half of its activations (a 16-bit
+    act alone is off by ~2^-12 of max|ref| in fp16, ~2^-9 in bf16). Without it W2
     rounds its own float32 activations to 16 bits, and float64 ones can round the other way near a
     boundary; so the kernel's activations (``views.activations``, the tl W2 writes them) are
     checked against float64, and the row outputs against them rounded as the kernel does under
@@ -133,11 +133,11 @@ def main() -> None:
         (8, 2, 96, 64, 32, 3, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w2_warps=2)),
         # the combine as its own launch (not fused into W2): multi-row segments, two W2 column tiles
         (8, 3, 128, 32, 32, 4, "single_hot", torch.float16, dataclasses.replace(base, fused_combine=False)),
-        # W2's activations rounded to one 16-bit half (one mma per chunk), bf16 (the coarser rounding,
-        # by truncation here) and fp16 (to nearest)
-        (8, 3, 64, 64, 32, 2, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w2_act_split=False)),
+        # W2's activations as a hi + lo pair (two mma per chunk; the other cases round them to one
+        # half), bf16 and fp16: the row outputs then meet float64's own activations' products
+        (8, 3, 64, 64, 32, 2, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w2_act_split=True)),
         (8, 2, 96, 64, 32, 3, "round_robin", torch.float16, dataclasses.replace(base, w13_block_k=64, w2_warps=2,
-                                                                                 w2_act_split=False)),
+                                                                                 w2_act_split=True)),
     ]
     for E, k, K, N, G, M, pattern, dtype, config in cases:
         weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + M)

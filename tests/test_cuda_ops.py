@@ -331,13 +331,13 @@ class _WithRnScale:
 # (M, W2 warps, W13 ring stages, chunks copied ahead or None for the table's, activations as a
 # hi + lo pair): why
 W2_RING_CASES = [
-    (8, 8, 2, None, True),  # M = 8's table config: after the Gluon W13, so the W2 launch writes the compaction
-    (8, 8, 2, 1, True),  # the weight copies one chunk ahead of the mma (one copy group in flight)
-    (8, 8, 2, 8, True),  # more chunks ahead than there are (5): the host clamps, all copies before the wait
-    (2, 4, 4, 3, True),  # 4-warp programs, 20 rows, three chunks ahead
-    (5, 8, 0, 4, True),  # after the tl W13 (it sorts: no compaction row), a token count off the table
-    (8, 8, 2, None, False),  # the activations rounded to one 16-bit half: one mma per chunk
-    (3, 4, 4, 2, False),  # the same with 4-warp programs, 30 rows
+    (8, 8, 2, None, False),  # M = 8's table config: after the Gluon W13, so the W2 launch writes the compaction
+    (8, 8, 2, 1, False),  # the weight copies one chunk ahead of the mma (one copy group in flight)
+    (8, 8, 2, 8, False),  # more chunks ahead than there are (5): the host clamps, all copies before the wait
+    (2, 4, 4, 3, False),  # 4-warp programs, 20 rows, three chunks ahead
+    (5, 8, 0, 4, False),  # after the tl W13 (it sorts: no compaction row), a token count off the table
+    (8, 8, 2, None, True),  # the activations as a hi + lo pair: two mma per chunk
+    (3, 4, 4, 2, True),  # the same with 4-warp programs, 30 rows
 ]
 
 

@@ -107,15 +107,16 @@ def test_constexpr_defaults_stay_constexprs():
     2,  # the tl W2 (M = 2's table entry)
     8,  # the Gluon W2 (M = 8's)
 ])
-def test_w2_with_one_activation_half_compiles_without_spills(M):
-    """w2_act_split=False (one 16-bit activation half, one mma per chunk) is in no table entry, so
-    the tool's main run does not build it: both W2 kernels, both dtypes, through ptxas for sm_90."""
+def test_w2_with_activation_pairs_compiles_without_spills(M):
+    """w2_act_split=True (the activations as a 16-bit hi + lo pair, two mma per chunk) is in no
+    table entry, so the tool's main run does not build it: both W2 kernels, both dtypes, through
+    ptxas for sm_90."""
     code = f"""
 import sys
 sys.path.insert(0, {str(ROOT / "benchmarks")!r})
 import sass_stats
 for dtype in ("fp16", "bf16"):
-    for name, kernel, *_ in sass_stats.launched_kernels(dtype, {M}, changes=dict(w2_act_split=False)):
+    for name, kernel, *_ in sass_stats.launched_kernels(dtype, {M}, changes=dict(w2_act_split=True)):
         if name.endswith(" w2"):
             usage = sass_stats.cuobjdump(kernel, "-res-usage")
             print(name, usage.split("REG:")[1].split()[0], usage.split("STACK:")[1].split()[0],
@@ -129,6 +130,6 @@ for dtype in ("fp16", "bf16"):
     rows = [line.split() for line in lines if line.startswith(f"M={M} ")]
     assert [row[1] for row in rows] == ["fp16", "bf16"], result.stdout
     for _, _, _, registers, stack, mmas in rows:
-        # one mma per 16 rows of each chunk's two 16-row halves: 5 chunks x 2 x 4 column tiles
-        assert 0 < int(registers) <= 255 and int(stack) == 0 and int(mmas) == 40, result.stdout
+        # two mma (hi, lo) per 16 rows of each chunk's two 16-row halves: 5 chunks x 2 x 4 column tiles x 2
+        assert 0 < int(registers) <= 255 and int(stack) == 0 and int(mmas) == 80, result.stdout
 

@@ -42,11 +42,11 @@ class GroupedConfig:
     # on (>= 1; N / 32 or more: all before the PDL wait, v10's issue order, though each chunk is
     # still waited for on its own). 2 won at M = 8 (explorations run 54)
     w2_copy_ahead: int = 2
-    # W2's float32 activations as a 16-bit hi + lo pair, two mma per chunk (exact to ~2^-22 of each
-    # value in fp16, ~2^-17 in bf16); False: rounded to one 16-bit value (as vLLM's fused_moe stores
-    # them between its GEMMs), one mma. A table change of it must bump KERNELS_VERSION: tuned cache
-    # entries carry it
-    w2_act_split: bool = True
+    # W2's float32 activations rounded to one 16-bit value, one mma per chunk (as vLLM's fused_moe
+    # stores them between its GEMMs; since v12); True: as a 16-bit hi + lo pair, two mma per chunk
+    # (exact to ~2^-22 of each value in fp16, ~2^-17 in bf16), 0.2-1.2 us slower at M = 2-8
+    # (explorations runs 57-58). A change of its default must bump KERNELS_VERSION: tuned cache entries carry it
+    w2_act_split: bool = False
 
     @property
     def w13_chunks(self) -> int:
@@ -132,7 +132,7 @@ def _safe(text: str) -> str:
 
 # Part of the cache file name: a kernel change that moves the timings bumps it, so configs
 # tuned for older kernels are not read back.
-KERNELS_VERSION = "v11"
+KERNELS_VERSION = "v12"
 
 
 def cache_path(gpu_name: str, triton_version: str) -> Path:

@@ -28,8 +28,9 @@ Launches (no host sync; every grid is sized by the static R = M * k rows)::
    launch's one extra program writes the compaction.
 2. W2 (+ combine): see above; every program of a row sums the row's partials
    again (cheap in L2; fewer, longer splits as M grows keep it small), and
-   64 columns per warp go through ``awq_mma`` with the float32 activations as
-   a 16-bit hi + lo pair (or, with ``w2_act_split`` off, rounded to one). With ``w2_ring`` (M = 8's table entry), the same
+   64 columns per warp go through ``awq_mma`` with the float32 activations
+   rounded to 16 bits (or, with ``w2_act_split``, as a 16-bit hi + lo pair).
+   With ``w2_ring`` (M = 8's table entry), the same
    programs run as a Gluon kernel (``w2_ring.py``) that keeps its weights in
    shared memory instead of registers: same bits as this kernel with RN_SCALE
    (the scale multiply rounded on its own). Its 52 KB of shared memory keep it
@@ -204,7 +205,7 @@ def _w2_rows_kernel(
     N_PAD: tl.constexpr, TOP_K: tl.constexpr,
     IS_BF16: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_PDL: tl.constexpr,
     COMPACT: tl.constexpr, R_PAD: tl.constexpr,
-    timeline_ptr, TIMELINE: tl.constexpr, RN_SCALE: tl.constexpr = False, ACT_SPLIT: tl.constexpr = True,
+    timeline_ptr, TIMELINE: tl.constexpr, RN_SCALE: tl.constexpr = False, ACT_SPLIT: tl.constexpr = False,
 ):
     """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32.
 
@@ -214,8 +215,8 @@ def _w2_rows_kernel(
     are in flight while W13 finishes. Then the row's activations, from the W13
     partials summed in split order (every program of the row computes the same
     values and writes them to ``act`` [row, N]; a barrier, then each lane reads
-    back its fragment rows), split into a 16-bit hi + lo pair (ACT_SPLIT; else rounded to one
-    16-bit value, one mma per chunk). With
+    back its fragment rows), rounded to 16 bits, one mma per chunk (ACT_SPLIT: split into a
+    16-bit hi + lo pair, two mma). With
     FUSED_COMBINE, the last of a token's k programs on a column tile to arrive (an
     int32 counter per (token, tile), zeroed by the W13 launch) sums the token's k
     row outputs of that tile in j order into ``out``. RN_SCALE: the scale multiply as mul.rn, the

@@ -5,7 +5,8 @@ the scale multiply ``mul.rn``) and sums as ``grouped._w2_rows_kernel`` with the 
 the same bits as the ``tl`` W2 built with ``RN_SCALE`` and the same ACT_SPLIT. What differs is where a program keeps its weights: the
 ``tl`` W2 holds all five 32-row chunks in registers from before the PDL wait (128 or more
 registers: four programs per SM, two waves at M = 8); here ``cp.async`` copies them into shared
-memory (~80 registers, 52 KB: three programs per SM; 64-65 registers with one activation half, and none beside W13's programs, whose
+memory (64-65 registers with one activation half, four or three programs per SM; ~80 with
+ACT_SPLIT, three; 52 KB; and none beside W13's programs, whose
 shared-memory carveout is smaller; docs/PERF.md says why that is the gain), and the activations go
 through shared memory too (no ``act`` workspace round trip). The copies run AHEAD chunks ahead of
 the mma: a thread whose copy stalls (all programs ask for their weights at once, more than the
@@ -14,7 +15,7 @@ memory system holds in flight) would otherwise not reach the chunks that have al
     program (row, tile):  scales, zeros, W2 chunks 0..AHEAD-1 of the tile's columns -> smem  (cp.async)
                           wait for W13 (PDL)
                           act = silu(gate) * up from the row's partials, in split order
-                            -> 16-bit hi + lo halves (one half without ACT_SPLIT) in smem
+                            -> 16-bit values (hi + lo halves with ACT_SPLIT) in smem
                           for chunk c: copy chunk c + AHEAD; wait for chunk c;
                             warp w: awq_mma of chunk c on its 64 columns
                           -> row_out[row]
