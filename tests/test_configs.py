@@ -58,13 +58,22 @@ def test_candidates_hold_the_register_cap_only_where_it_applies(ring):
     assert set(ampere) < set(hopper)
 
 
+@pytest.mark.parametrize("ring", [True, False])  # the Gluon W13 available (a GPU with Gluon) or not
+def test_autotune_can_find_the_table_configs(ring):
+    """Every qwen3.8-tp4 table entry is one of the autotune's candidates on Hopper (where the table
+    was measured), so a search never loses to the table for want of trying it."""
+    candidates = set(configs.grouped_candidates((9, 0), ring))
+    for M in (2, 4, 8):
+        assert configs.grouped_config(configs.QWEN38_TP4_SHAPE, "fp16", M, ring) in candidates, M
+
+
 def test_candidates_ask_for_the_ring_only_where_it_runs():
     with_ring, without = configs.grouped_candidates((9, 0), True), configs.grouped_candidates((9, 0), False)
     # without Gluon a ring depth would silently time the tl kernel twice
     assert {c.w13_ring_stages for c in without} == {0}
     assert {c.w13_ring_stages for c in with_ring} == {2, 4}
     assert {c.w2_ring for c in without} == {False}  # nor the Gluon W2
-    assert {(c.w2_warps, c.w2_max_registers) for c in with_ring if c.w2_ring} == {(4, 0), (8, 0)}
+    assert {(c.w2_warps, c.w2_max_registers) for c in with_ring if c.w2_ring} == {(4, 0), (4, 128), (8, 0)}
     # the ring candidates' splits tile K = 2560 (no masked chunks) and need no fitting
     assert all(K % c.w13_block_k == 0 and c == c.fitted(K) for c in with_ring)
 

@@ -30,7 +30,7 @@ Launches (no host sync; every grid is sized by the static R = M * k rows)::
    again (cheap in L2; fewer, longer splits as M grows keep it small), and
    64 columns per warp go through ``awq_mma`` with the float32 activations
    rounded to 16 bits (or, with ``w2_act_split``, as a 16-bit hi + lo pair).
-   With ``w2_ring`` (M = 8's table entry), the same
+   With ``w2_ring`` (M = 4's and 8's table entries), the same
    programs run as a Gluon kernel (``w2_ring.py``) that keeps its weights in
    shared memory instead of registers: same bits as this kernel with RN_SCALE
    (the scale multiply rounded on its own). Its 52 KB of shared memory keep it
