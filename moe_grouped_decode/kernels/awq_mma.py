@@ -36,8 +36,9 @@ dequantize-then-multiply. (An earlier version took the zero out with a second mm
 of -(magic + z): no pair adds, twice the mmas, and a float32 cancellation of
 magic * sum x that cost many ULPs on outputs near zero.) ``SPLIT_X`` passes float32
 activations as a hi + lo pair of 16-bit halves (two mmas each), for W2, whose input
-(silu(gate) * up) is float32, when its config asks (``w2_act_split``; by default it rounds them to one half). Under ``TRITON_INTERPRET=1`` (no PTX) ``awq_mma_chunk``
-computes the same lane layout with plain tensor ops, so CPU CI checks every index.
+(silu(gate) * up) is float32, when its config asks (``w2_act_split``; by default W2 rounds
+them to one half). Under ``TRITON_INTERPRET=1`` (no PTX) ``awq_mma_chunk`` computes the
+same lane layout with plain tensor ops, so CPU CI checks every index.
 """
 
 import os

@@ -464,7 +464,8 @@ def grouped_decode(
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=_next_pow2(N), TOP_K=top_k,
             IS_BF16=is_bf16, FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
             COMPACT=ring, R_PAD=max(16, _next_pow2(rows)), timeline_ptr=w2_stamps, TIMELINE=timeline is not None,
-            ACT_SPLIT=config.w2_act_split, num_warps=config.w2_warps, **launch_options(use_pdl), **config.w2_compile_options(capability),
+            ACT_SPLIT=config.w2_act_split, num_warps=config.w2_warps, **launch_options(use_pdl),
+            **config.w2_compile_options(capability),
         )
     if not config.fused_combine and "combine" in stages:
         combine_rows(scratch.row_outputs, topk_weights, out, use_pdl)

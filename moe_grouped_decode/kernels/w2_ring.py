@@ -2,12 +2,12 @@
 
 Same programs (row, column tile), fragments, PTX (``awq_mma``'s, with SPLIT_X as ACT_SPLIT and
 the scale multiply ``mul.rn``) and sums as ``grouped._w2_rows_kernel`` with the fused combine, so
-the same bits as the ``tl`` W2 built with ``RN_SCALE`` and the same ACT_SPLIT. What differs is where a program keeps its weights: the
-``tl`` W2 holds all five 32-row chunks in registers from before the PDL wait (128 or more
-registers: four programs per SM, two waves at M = 8); here ``cp.async`` copies them into shared
-memory (64-65 registers with one activation half, four or three programs per SM; ~80 with
-ACT_SPLIT, three; 52 KB; and none beside W13's programs, whose
-shared-memory carveout is smaller; docs/PERF.md says why that is the gain), and the activations go
+the same bits as the ``tl`` W2 built with ``RN_SCALE`` and the same ACT_SPLIT. What differs is
+where a program keeps its weights: the ``tl`` W2 holds all five 32-row chunks in registers from
+before the PDL wait (128 or more registers: four programs per SM, two waves at M = 8); here
+``cp.async`` copies them into shared memory (at M = 8 64-65 registers with one activation half,
+four or three programs per SM; ~80 with ACT_SPLIT, three; 52 KB; and none beside W13's programs,
+whose shared-memory carveout is smaller; docs/PERF.md says why that is the gain), and the activations go
 through shared memory too (no ``act`` workspace round trip). The copies run AHEAD chunks ahead of
 the mma: a thread whose copy stalls (all programs ask for their weights at once, more than the
 memory system holds in flight) would otherwise not reach the chunks that have already landed::
@@ -90,7 +90,8 @@ if AVAILABLE:
         topk_weights_ptr, out_ptr, stride_om, arrivals_ptr,
         sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr, timeline_ptr,
         K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr, WARPS: gl.constexpr,
-        CHUNKS_PAD: gl.constexpr, AHEAD: gl.constexpr, ACT_SPLIT: gl.constexpr, TOP_K: gl.constexpr, IS_BF16: gl.constexpr, USE_PDL: gl.constexpr,
+        CHUNKS_PAD: gl.constexpr, AHEAD: gl.constexpr, ACT_SPLIT: gl.constexpr, TOP_K: gl.constexpr,
+        IS_BF16: gl.constexpr, USE_PDL: gl.constexpr,
         COMPACT: gl.constexpr, R_PAD: gl.constexpr, TIMELINE: gl.constexpr,
     ):
         """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols] and the fused
