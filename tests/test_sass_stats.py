@@ -18,22 +18,28 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _python_stdout(*args: str) -> str:
+    """stdout of ``python args`` with the repo importable and the kernels compiled for a GPU (not
+    under the interpreter), which must exit 0."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
 @pytest.mark.parametrize("arch", [
     90,  # the H200 the numbers come from
     80,  # the kernels' minimum compute capability (kernels.MIN_CUDA_CAPABILITY): every PTX variant must assemble
 ])
 def test_grouped_kernels_compile_without_spills(arch):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_stats.py"), "--arch", str(arch)],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = _python_stdout(str(ROOT / "benchmarks" / "sass_stats.py"), "--arch", str(arch))
     # the launched kernels, and the tl W13 at the same split (what runs where Gluon does not)
-    lines = [line for line in result.stdout.splitlines()
+    lines = [line for line in stdout.splitlines()
              if re.match(r"M=\d+ (fp16|bf16) w(13|2|13-tl-tile-path):", line)]
     kernels = {tuple(line.split(":")[0].split()[1:]) for line in lines}
     assert kernels == {(dtype, kernel) for dtype in ("fp16", "bf16") for kernel in ("w13", "w13-tl-tile-path", "w2")}, \
-        result.stdout
+        stdout
     for line in lines:
         registers = int(re.search(r"regs=(\d+)", line).group(1))
         stack = int(re.search(r"stack=(\d+)", line).group(1))
@@ -69,19 +75,15 @@ def test_timeline_stamps_compile_out():
     each W13 kernel reads it at its three places (start, program 0's end, a tile program's end)
     and W2 at least at its five points (the compaction row's end and the tile programs' end may
     share one read)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_stats.py"), "--timeline"],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = _python_stdout(str(ROOT / "benchmarks" / "sass_stats.py"), "--timeline")
     reads = {tuple(m.group(1, 2)): int(m.group(3))
-             for m in re.finditer(r"^M=8 fp16 (\S+) timeline=(\w+): timer reads=(\d+)$", result.stdout, re.M)}
+             for m in re.finditer(r"^M=8 fp16 (\S+) timeline=(\w+): timer reads=(\d+)$", stdout, re.M)}
     assert set(reads) == {(kernel, flag) for kernel in ("w13", "w13-tl-tile-path", "w2") for flag in ("False", "True")}, \
-        result.stdout
+        stdout
     for kernel in ("w13", "w13-tl-tile-path", "w2"):
-        assert reads[kernel, "False"] == 0, result.stdout
-    assert reads["w13", "True"] >= 3 and reads["w13-tl-tile-path", "True"] >= 3, result.stdout
-    assert reads["w2", "True"] >= 5, result.stdout
+        assert reads[kernel, "False"] == 0, stdout
+    assert reads["w13", "True"] >= 3 and reads["w13-tl-tile-path", "True"] >= 3, stdout
+    assert reads["w2", "True"] >= 5, stdout
 
 
 def test_constexpr_defaults_stay_constexprs():
@@ -122,14 +124,11 @@ for dtype in ("fp16", "bf16"):
             print(name, usage.split("REG:")[1].split()[0], usage.split("STACK:")[1].split()[0],
                   sass_stats.cuobjdump(kernel, "-sass").count("HMMA"))
 """
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = result.stdout.split("\n")
+    stdout = _python_stdout("-c", code)
+    lines = stdout.split("\n")
     rows = [line.split() for line in lines if line.startswith(f"M={M} ")]
-    assert [row[1] for row in rows] == ["fp16", "bf16"], result.stdout
+    assert [row[1] for row in rows] == ["fp16", "bf16"], stdout
     for _, _, _, registers, stack, mmas in rows:
         # two mma (hi, lo) per 16 rows of each chunk's two 16-row halves: 5 chunks x 2 x 4 column tiles x 2
-        assert 0 < int(registers) <= 255 and int(stack) == 0 and int(mmas) == 80, result.stdout
+        assert 0 < int(registers) <= 255 and int(stack) == 0 and int(mmas) == 80, stdout
 
