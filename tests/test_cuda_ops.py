@@ -9,6 +9,7 @@ ULP are written to $MOE_GD_STATS (JSON) when set.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -18,7 +19,7 @@ import torch
 from moe_grouped_decode.awq import slice_tp, synthetic_moe_weights
 from moe_grouped_decode.contract import QWEN38_TP4
 from moe_grouped_decode.env import GLUON_W13_ENV
-from moe_grouped_decode.kernels import w13_ring, w2_ring
+from moe_grouped_decode.kernels import configs, w13_ring, w2_ring
 from moe_grouped_decode.ops import alloc_workspace, error_stats, reference_moe, reference_segments, workspace_views
 
 pytestmark = [
@@ -91,6 +92,13 @@ def assert_close(name: str, out: torch.Tensor, x, tw, ids, cpu_weights) -> None:
 
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # the launch-config tables' dtype names
+
+
+def table_config(dtype, M: int, **changes):
+    """The launch config the op picks for the contract's shape at M (the table's entry where there
+    is one, no tuning cache here), with ``changes``, fitted to K."""
+    config = configs.grouped_config((E, TOP_K, K, N, G), DTYPE_NAMES[dtype], M)
+    return dataclasses.replace(config, **changes).fitted(K)
 
 
 def run_grouped(x, tw, ids, weights, workspace):
@@ -243,9 +251,6 @@ def test_launch_variants_give_the_default_bits(layer, workspace, fused_combine, 
     default launches (fused + PDL) at M = 8's table config with the tl W2 (the Gluon W2 runs only
     with the combine fused; test_ring_w2_gives_the_tl_kernels_bits covers it), on routing where
     tokens share experts."""
-    import dataclasses
-
-    from moe_grouped_decode.kernels import configs
     from moe_grouped_decode.ops.cuda import launch_grouped
 
     weights, _ = layer
@@ -253,9 +258,7 @@ def test_launch_variants_give_the_default_bits(layer, workspace, fused_combine, 
     M = 8
     x = activations(M, weights.dtype, gen)
     ids, tw = routing("round_robin", M, gen)
-    shape = (E, TOP_K, K, N, G)
-    dtype_name = DTYPE_NAMES[weights.dtype]
-    default = dataclasses.replace(configs.grouped_config(shape, dtype_name, M), w2_ring=False)
+    default = table_config(weights.dtype, M, w2_ring=False)
     outs = []
     for config in (default, dataclasses.replace(default, fused_combine=fused_combine, pdl=pdl)):
         out = torch.full_like(x, float("nan"))
@@ -278,17 +281,11 @@ def _gluon_vs_tl_case(layer, M, seed, monkeypatch, **changes):
     """The inputs of a Gluon-against-tl bits test: the Gluon switch at its default (off, every run
     would be the tl one), activations and round-robin routing (tokens share experts) drawn from
     ``seed``, and the table's config at M with ``changes``, fitted to K."""
-    import dataclasses
-
-    from moe_grouped_decode.kernels import configs
-
     monkeypatch.delenv(GLUON_W13_ENV, raising=False)
     gen = torch.Generator().manual_seed(seed)
     x = activations(M, layer[0].dtype, gen)
     ids, tw = routing("round_robin", M, gen)
-    dtype_name = DTYPE_NAMES[layer[0].dtype]
-    config = dataclasses.replace(configs.grouped_config((E, TOP_K, K, N, G), dtype_name, M), **changes).fitted(K)
-    return x, tw, ids, config
+    return x, tw, ids, table_config(layer[0].dtype, M, **changes)
 
 
 @pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")
@@ -297,8 +294,6 @@ def test_ring_w13_gives_the_tl_kernels_bits(layer, workspace, M, split, monkeypa
     """The Gluon W13 (kernels/w13_ring.py: loads staged in shared memory) runs the tl W13's
     fragments and sums: the same bits at the same split, for rings shallower and deeper than
     the table's, on routing where tokens share experts."""
-    import dataclasses
-
     from moe_grouped_decode.kernels import cuda_capability, grouped
     from moe_grouped_decode.ops.cuda import launch_grouped
 
@@ -348,8 +343,6 @@ def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, a
     """The Gluon W2 (kernels/w2_ring.py: weights staged in shared memory) runs the tl W2's
     fragments, sums and combine: the same bits as the tl W2 with RN_SCALE, on routing where tokens
     share experts; its compaction (counted, not sorted) is the reference's."""
-    import dataclasses
-
     from moe_grouped_decode.kernels import cuda_capability, grouped
     from moe_grouped_decode.ops.cuda import launch_grouped
 
@@ -384,7 +377,6 @@ def test_gluon_switch_off_runs_the_tl_w13(layer, workspace, monkeypatch):
     """VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0 (the rollback): the op launches neither Gluon kernel
     and still matches the reference, also when launched with the Gluon table's M = 8 config
     (a Gluon W13 ring and the Gluon W2), which the switch overrides."""
-    from moe_grouped_decode.kernels import configs
     from moe_grouped_decode.ops.cuda import launch_grouped
 
     class Forbidden:
@@ -400,8 +392,7 @@ def test_gluon_switch_off_runs_the_tl_w13(layer, workspace, monkeypatch):
     ids, tw = routing("random", 8, gen)
     out = run_grouped(x, tw, ids, weights, workspace)
     assert_close(f"grouped {weights.dtype} M=8 tl W13 (switch off)", out, x, tw, ids, cpu_weights)
-    dtype_name = DTYPE_NAMES[weights.dtype]
-    gluon_config = configs.grouped_config((E, TOP_K, K, N, G), dtype_name, 8, ring=True)
+    gluon_config = table_config(weights.dtype, 8)
     assert gluon_config.w2_ring and gluon_config.w13_ring_stages > 0
     out = torch.full_like(x, float("nan"))
     workspace.fill_(-1)
@@ -417,9 +408,7 @@ def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages,
     """benchmarks/timeline.py's stamps (kernels/timeline.py): the op gives the same bits with them,
     every program stamps every point, in order, and no W2 program gets past the PDL wait before the
     last W13 program has stamped its end. A wrongly sized timeline is refused."""
-    import dataclasses
-
-    from moe_grouped_decode.kernels import configs, cuda_capability, grouped
+    from moe_grouped_decode.kernels import cuda_capability, grouped
     from moe_grouped_decode.kernels.timeline import Timeline
 
     monkeypatch.delenv(GLUON_W13_ENV, raising=False)
@@ -428,8 +417,7 @@ def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages,
     gen = torch.Generator().manual_seed(23)
     x = activations(M, weights.dtype, gen)
     ids, tw = routing("random", M, gen)
-    dtype_name = DTYPE_NAMES[weights.dtype]
-    config = dataclasses.replace(configs.grouped_config((E, TOP_K, K, N, G), dtype_name, M), w13_ring_stages=stages)
+    config = table_config(weights.dtype, M, w13_ring_stages=stages)
     assert grouped.uses_w13_ring(config, cuda_capability(x.device)) == (stages > 0)
     views = workspace_views(workspace, M * TOP_K, K, N)
     outs = []

@@ -109,10 +109,12 @@ QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 # programs wins by 0.3-1.2 us in one process (explorations run 47), 0.4-0.9 more with its copies
 # two chunks ahead of its mma (run 54). At M = 4 it lost with hi + lo activations (run 48) and wins
 # by 0.1-0.3 us with one half (v12, runs 60-61; the 128-register cap, kept from the tl W2's entry,
-# lets it take 128 registers instead of 68: 0.2 us faster in fp16); at M = 2 it loses by 4.9 (run 60).
+# lets it take 128 registers instead of 68: 0.2 us faster in fp16), 0.1-0.25 more with its copies
+# three chunks ahead (runs 62-63, same bits); at M = 2 it loses by 4.9 (run 60).
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
     2: GroupedConfig(w13_block_k=256, w2_warps=8, w13_ring_stages=4),
-    4: GroupedConfig(w13_block_k=256, w2_warps=4, w2_max_registers=128, w13_ring_stages=4, w2_ring=True),
+    4: GroupedConfig(w13_block_k=256, w2_warps=4, w2_max_registers=128, w13_ring_stages=4, w2_ring=True,
+                     w2_copy_ahead=3),
     8: GroupedConfig(w13_block_k=512, w2_warps=8, w13_ring_stages=2, w2_ring=True),
 }
 # Where the Gluon W13 does not run (no Gluon, VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0): v8's table for
@@ -215,18 +217,19 @@ def grouped_candidates(capability: Tuple[int, int], ring: bool) -> Tuple[Grouped
     ``ring`` (the Gluon W13 runs there), W13 splits of 128 / 256 / 512 rows (they tile qwen3.8's
     K = 2560; elsewhere the last split masks its chunks past K) and ring depths 2 and 4 (the range
     that won in explorations run 25) and also the Gluon W2 with 4- and 8-warp programs (8 won at
-    M = 8 in runs 27, 46 and 47; 4 with the cap at M = 4 in runs 60-61), else the tl W13's splits
-    and the tl W2. The table's entries are among them."""
+    M = 8 in runs 27, 46 and 47, its copies two chunks ahead; 4 with the cap at M = 4 in runs
+    60-61, three ahead in runs 62-63), else the tl W13's splits and the tl W2. The table's entries
+    are among them."""
     caps = (0, 128) if GroupedConfig(w2_max_registers=128).w2_compile_options(capability) else (0,)
     w13 = ([(rows, stages) for rows in (128, 256, 512) for stages in (2, 4)] if ring
            else [(rows, 0) for rows in (128, 192, 256, 384, 512)])
-    w2 = [(False, warps, cap) for warps in (4, 8) for cap in caps]
-    w2 += [(True, 4, cap) for cap in caps] + [(True, 8, 0)] if ring else []
+    w2 = [(False, warps, cap, 2) for warps in (4, 8) for cap in caps]  # 2, the default: the tl W2 ignores it
+    w2 += [(True, 4, cap, 3) for cap in caps] + [(True, 8, 0, 2)] if ring else []
     return tuple(
         GroupedConfig(w13_block_k=w13_block_k, w13_ring_stages=stages, w2_warps=w2_warps,
-                      w2_max_registers=w2_max_registers, w2_ring=w2_ring)
+                      w2_max_registers=w2_max_registers, w2_ring=w2_ring, w2_copy_ahead=ahead)
         for w13_block_k, stages in w13
-        for w2_ring, w2_warps, w2_max_registers in w2
+        for w2_ring, w2_warps, w2_max_registers, ahead in w2
     )
 
 
