@@ -110,11 +110,13 @@ QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 # two chunks ahead of its mma (run 54). At M = 4 it lost with hi + lo activations (run 48) and wins
 # by 0.1-0.3 us with one half (v12, runs 60-61; the 128-register cap, kept from the tl W2's entry,
 # lets it take 128 registers instead of 68: 0.2 us faster in fp16), 0.1-0.25 more with its copies
-# three chunks ahead (runs 62-63, same bits); at M = 2 it loses by 4.9 (run 60).
+# three chunks ahead (runs 62-63, same bits). At M = 2 the same 4-warp W2 (capped, three ahead)
+# beats the 8-warp tl W2 by 0.1 us in fp16 and 0.4 in bf16 (run 68; uncapped it is 5 us slower,
+# and 8-warp Gluon programs 4.9, run 60).
+_W2_GLUON_4_WARPS = dict(w2_warps=4, w2_max_registers=128, w2_ring=True, w2_copy_ahead=3)
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
-    2: GroupedConfig(w13_block_k=256, w2_warps=8, w13_ring_stages=4),
-    4: GroupedConfig(w13_block_k=256, w2_warps=4, w2_max_registers=128, w13_ring_stages=4, w2_ring=True,
-                     w2_copy_ahead=3),
+    2: GroupedConfig(w13_block_k=256, w13_ring_stages=4, **_W2_GLUON_4_WARPS),
+    4: GroupedConfig(w13_block_k=256, w13_ring_stages=4, **_W2_GLUON_4_WARPS),
     8: GroupedConfig(w13_block_k=512, w2_warps=8, w13_ring_stages=2, w2_ring=True),
 }
 # Where the Gluon W13 does not run (no Gluon, VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0): v8's table for
