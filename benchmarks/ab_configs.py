@@ -56,9 +56,10 @@ def main(token_counts, changes, dtypes, allow_new_bits=False, base_changes=None)
             assert not torch.isnan(bits["base"].view(xs[0].dtype)).any(), f"{name} M={M}: {base_label} left NaN"
             same = torch.equal(bits["base"], bits["changed"])
             assert same or allow_new_bits, f"{name} M={M}: {label} changed the outputs"
-            base, new = (sorted(t)[1] for t in times.values())
+            base_us, changed_us = (sorted(t)[1] for t in times.values())
             cells = " | ".join(" ".join(f"{v:.2f}" for v in t) for t in times.values())
-            print(f"| {name} | {M} | {cells} | {new - base:+.2f}{'' if same else ' (new bits)'} |", flush=True)
+            print(f"| {name} | {M} | {cells} | {changed_us - base_us:+.2f}{'' if same else ' (new bits)'} |",
+                  flush=True)
 
 
 def _fields(text):

@@ -17,8 +17,8 @@ default, ``--active``; cold in L2) in several shapes and prints the achieved TB/
                  of 32 or 128 rows; 1-warp programs of 128 or 64 rows in 32-row steps: a W13 whose
                  programs take all 5 tiles of a short split)
 
-Then W2's bytes of the same experts, as the op's 4-warp W2 programs (64 columns per warp, the
-config at M = 4 and 8; M = 2 runs 8-warp programs) load them, each lane its own fragment words (4
+Then W2's bytes of the same experts, as the op's 4-warp `tl` W2 programs (64 columns per warp;
+the table's W2 at M = 4 and 8 when run 38 measured this) load them, each lane its own fragment words (4
 bytes per lane, awq_mma's rows 16 (e // 4) + 4 t + e % 4), and the same bytes as plain rows (16
 bytes per lane, 128 per row).
 

@@ -30,13 +30,14 @@ Launches (no host sync; every grid is sized by the static R = M * k rows)::
    again (cheap in L2; fewer, longer splits as M grows keep it small), and
    64 columns per warp go through ``awq_mma`` with the float32 activations
    rounded to 16 bits (or, with ``w2_act_split``, as a 16-bit hi + lo pair).
-   With ``w2_ring`` (M = 4's and 8's table entries), the same
+   With ``w2_ring`` (every table entry), the same
    programs run as a Gluon kernel (``w2_ring.py``) that keeps its weights in
    shared memory instead of registers: same bits as this kernel with RN_SCALE
-   (the scale multiply rounded on its own). Its 52 KB of shared memory keep it
-   off the SMs W13's programs hold (the carveout, docs/PERF.md), so W13 runs
-   alone and ends earlier, and it copies its weights a few chunks ahead of its
-   mma, so the mma runs while the later chunks stream in. Without ``fused_combine`` the combine is a third
+   (the scale multiply rounded on its own). At M = 8 its 8-warp programs' 52 KB
+   of shared memory keep them off the SMs W13's programs hold (the carveout,
+   docs/PERF.md), so W13 runs alone and ends earlier; the 4-warp programs of
+   M = 2 and 4 (26 KB) start beside W13. It copies its weights a few chunks
+   ahead of its mma, so the mma runs while the later chunks stream in. Without ``fused_combine`` the combine is a third
    launch (``combine.py``). With ``pdl`` (Hopper and newer) each launch lets the
    next one start early (programmatic dependent launch); the next one waits for
    it before reading what it wrote.
