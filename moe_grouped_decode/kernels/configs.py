@@ -111,8 +111,9 @@ QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 # by 0.1-0.3 us with one half (v12, runs 60-61; the 128-register cap, kept from the tl W2's entry,
 # lets it take 128 registers instead of 68: 0.2 us faster in fp16), 0.1-0.25 more with its copies
 # three chunks ahead (runs 62-63, same bits). At M = 2 the same 4-warp W2 (capped, three ahead)
-# beats the 8-warp tl W2 by 0.1 us in fp16 and 0.4 in bf16 (run 68; uncapped it is 5 us slower,
-# and 8-warp Gluon programs 4.9, run 60).
+# beats the 8-warp tl W2 by 0.1 us in fp16 and 0.4 in bf16 (run 68; 8-warp Gluon programs lose
+# 4.9, run 60). Two unexplained ~5 us cliffs sit next to M = 2's entry: the W2 uncapped (run 68)
+# and a 2-stage W13 ring (run 71); retune with care (docs/PERF.md, Dropped).
 _W2_GLUON_4_WARPS = dict(w2_warps=4, w2_max_registers=128, w2_ring=True, w2_copy_ahead=3)
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
     2: GroupedConfig(w13_block_k=256, w13_ring_stages=4, **_W2_GLUON_4_WARPS),
