@@ -209,8 +209,9 @@ def main(argv=None):
             for name, kernel, *_ in launched_kernels("fp16", 8, timeline):
                 print(f"{name} timeline={timeline}: timer reads={timer_reads(kernel)}", flush=True)
         return 0
-    # M = 2: the tl W2; 4: the 4-warp Gluon W2 under the cap; 8: the 8-warp one; bf16: its own PTX
-    for dtype, M in (("fp16", 2), ("fp16", 4), ("fp16", 8), ("bf16", 8)):
+    # M = 2 and 4: the 4-warp Gluon W2 under the cap; 3: a count off the table (GroupedConfig's
+    # defaults), the tl W2, whose fragment layouts Triton chooses; 8: the 8-warp Gluon W2; bf16: its own PTX
+    for dtype, M in (("fp16", 2), ("fp16", 3), ("fp16", 4), ("fp16", 8), ("bf16", 8)):
         for name, kernel, weights, grid, warps, tl_layouts in launched_kernels(dtype, M):
             stats(name, kernel, weights, args.dump, grid)
             if tl_layouts:
