@@ -98,6 +98,25 @@ def programs_per_sm(registers, num_warps, shared_bytes, arch):
     return min(SM_PROGRAMS, SM_REGISTERS // (per_warp * num_warps), SM_WARPS // num_warps, by_shared)
 
 
+# Hopper's shared-memory carveouts (KB per SM) and the shared memory the driver keeps per program.
+HOPPER_CARVEOUTS_KB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
+RESERVED_PER_PROGRAM = 1024
+
+
+def driver_carveout_kb(registers, num_warps, shared_bytes):
+    """The carveout (KB) a kernel gets on Hopper without a preference of ours, as a model: over
+    48 KB of shared memory Triton asks for the largest; otherwise the driver picks the smallest
+    that holds as many programs as its registers and warps allow, or the largest. An SM
+    then runs an early-launched kernel's programs beside another's only where this is no larger
+    than the other's: it predicts every co-residence of W2 with W13 measured under the driver's
+    choice (explorations run 73); nothing documents it. (Explicit preferences follow no such
+    rule: run 74. kernels/carveout.py.)"""
+    if shared_bytes > 48 * 1024:  # Triton's launcher: CU_FUNC_CACHE_PREFER_SHARED
+        return HOPPER_CARVEOUTS_KB[-1]
+    need = programs_per_sm(registers, num_warps, 0, 90) * (shared_bytes + RESERVED_PER_PROGRAM)
+    return next((kb for kb in HOPPER_CARVEOUTS_KB if need <= kb * 1024), HOPPER_CARVEOUTS_KB[-1])
+
+
 def stats(name, kernel, weights_per_program, dump=None, grid=None):
     """Print one kernel's counts; with ``grid`` (programs launched), also how many programs share
     an SM and, for sm_90, how many waves the grid takes on an H200."""
@@ -120,6 +139,7 @@ def stats(name, kernel, weights_per_program, dump=None, grid=None):
         occupancy = f" programs/SM={per_sm} grid={grid}"
         if TARGET.arch == 90:
             occupancy += f" waves(H200)={-(-grid // (per_sm * H200_SMS))}"
+            occupancy += f" carveout(unpreferred)={driver_carveout_kb(int(usage.group(1)), md.num_warps, md.shared)}KB"
     print(f"{name}: regs={usage.group(1)} stack={usage.group(2)} instructions={total} "
           f"per weight={total * 32 * md.num_warps / weights_per_program:.2f}{occupancy}  [{top}]", flush=True)
 

@@ -444,3 +444,52 @@ def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages,
     with pytest.raises(ValueError, match="int64"):
         grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, outs[0], config,
                                timeline=Timeline(timeline.w13, timeline.w2.to(torch.int32)))
+
+
+@pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")
+def test_largest_carveout_is_asked_of_both_launches_and_changes_no_bits(layer, workspace, monkeypatch):
+    """M = 2's table entry asks both launches for the largest shared-memory carveout
+    (kernels/carveout.py): the driver reads the preference back from both kernels; the same config
+    without it takes it away again (one binary serves both configs), and the bits are the same."""
+    import ctypes
+
+    from moe_grouped_decode.kernels import carveout, grouped
+
+    monkeypatch.delenv(GLUON_W13_ENV, raising=False)
+    kernels = {}
+
+    def recording(kernel, prefer):
+        kernels[kernel.name] = kernel.function
+        carveout.prefer_max_shared_carveout(kernel, prefer)
+
+    monkeypatch.setattr(grouped, "prefer_max_shared_carveout", recording)
+    libcuda = ctypes.CDLL("libcuda.so.1")
+
+    def preferences():
+        values = []
+        for function in kernels.values():
+            value = ctypes.c_int()
+            assert libcuda.cuFuncGetAttribute(ctypes.byref(value), 9, ctypes.c_void_p(function)) == 0
+            values.append(value.value)
+        return values
+
+    weights, cpu_weights = layer
+    M = 2
+    gen = torch.Generator().manual_seed(29)
+    x = activations(M, weights.dtype, gen)
+    ids, tw = routing("random", M, gen)
+    table = table_config(weights.dtype, M)
+    assert table.max_shared_carveout
+    views = workspace_views(workspace, M * TOP_K, K, N)
+    bits = {}
+    for config in (table, dataclasses.replace(table, max_shared_carveout=False), table):
+        for _ in range(2):  # the preference holds from a kernel's second launch on
+            out = torch.full_like(x, float("nan"))
+            workspace.fill_(-1)
+            grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, out, config)
+        assert len(kernels) == 2  # W13 and W2
+        assert all((value == 100) == config.max_shared_carveout for value in preferences()), preferences()
+        bits[config.max_shared_carveout] = out.view(torch.int16).clone()
+        assert_close(f"grouped {weights.dtype} M=2 largest carveout {config.max_shared_carveout}", out, x, tw, ids,
+                     cpu_weights)
+    assert torch.equal(bits[True], bits[False])

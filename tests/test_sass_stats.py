@@ -69,6 +69,23 @@ def test_programs_per_sm(registers, warps, shared, programs):
     assert _sass_stats_module().programs_per_sm(registers, warps, shared, 90) == programs
 
 
+@pytest.mark.parametrize("registers, warps, shared, carveout_kb", [
+    (72, 4, 26112, 196),  # M = 2's 4-warp Gluon W2: seven programs by registers; beside W13 (run 69)
+    (56, 4, 26112, 228),  # the same uncapped: eight, only the largest holds them; kept off W13 (run 73)
+    (79, 4, 26112, 164),  # the capped W2 with timestamps: six; beside the 2-stage W13 too (run 73)
+    (72, 1, 5888, 196),  # M = 2's W13, a 4-stage ring: 28 programs
+    (72, 1, 3840, 164),  # a 2-stage ring: W2 at 196 KB kept off it (run 71's cliff)
+    (128, 4, 26112, 132),  # M = 4's W2: four; beside W13 (run 69)
+    (64, 4, 26112, 228),  # M = 8's 4-warp W2: kept off W13 (run 70)
+    (78, 1, 5632, 164),  # M = 8's W13
+    (65, 8, 51712, 228),  # M = 8's 8-warp W2 in bf16: over 48 KB, Triton asks for the largest
+])
+def test_driver_carveout_model(registers, warps, shared, carveout_kb):
+    """The model of the driver's carveout choice, on the kernels it was checked against (registers
+    and shared memory as compiled, docs/bench/sass_stats.txt)."""
+    assert _sass_stats_module().driver_carveout_kb(registers, warps, shared) == carveout_kb
+
+
 def test_timeline_stamps_compile_out():
     """The per-program timestamps (kernels/timeline.py) cost nothing unless asked for: without
     TIMELINE no kernel reads the GPU's timer (so the counts above are the op's own); with it

@@ -47,6 +47,10 @@ class GroupedConfig:
     # (exact to ~2^-22 of each value in fp16, ~2^-17 in bf16), 0.2-1.2 us slower at M = 2-8
     # (explorations runs 57-58). A change of its default must bump KERNELS_VERSION: tuned cache entries carry it
     w2_act_split: bool = False
+    # both launches prefer the largest shared-memory carveout (kernels/carveout.py): then W2's
+    # programs start beside W13's whatever registers the compiler gives either; False: the
+    # driver's choice per kernel, which lets them only where W2 asks no larger carveout than W13
+    max_shared_carveout: bool = False
 
     @property
     def w13_chunks(self) -> int:
@@ -112,9 +116,10 @@ QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 # lets it take 128 registers instead of 68: 0.2 us faster in fp16), 0.1-0.25 more with its copies
 # three chunks ahead (runs 62-63, same bits). At M = 2 the same 4-warp W2 (capped, three ahead)
 # beats the 8-warp tl W2 by 0.1 us in fp16 and 0.4 in bf16 (run 68; 8-warp Gluon programs lose
-# 4.9, run 60). Two unexplained ~5 us cliffs sit next to M = 2's entry: the W2 uncapped (run 68)
-# and a 2-stage W13 ring (run 71); retune with care (docs/PERF.md, Dropped).
-_W2_GLUON_4_WARPS = dict(w2_warps=4, w2_max_registers=128, w2_ring=True, w2_copy_ahead=3)
+# 4.9, run 60). Both run their W2 beside W13 under the largest shared-memory carveout: no faster
+# (run 75), but without it a W2 uncapped (56 registers) or a 2-stage W13 ring lost ~5 us at M = 2,
+# the driver then keeping W2 off W13's SMs (runs 68, 71, 73-75; kernels/carveout.py).
+_W2_GLUON_4_WARPS = dict(w2_warps=4, w2_max_registers=128, w2_ring=True, w2_copy_ahead=3, max_shared_carveout=True)
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
     2: GroupedConfig(w13_block_k=256, w13_ring_stages=4, **_W2_GLUON_4_WARPS),
     4: GroupedConfig(w13_block_k=256, w13_ring_stages=4, **_W2_GLUON_4_WARPS),
@@ -221,18 +226,20 @@ def grouped_candidates(capability: Tuple[int, int], ring: bool) -> Tuple[Grouped
     K = 2560; elsewhere the last split masks its chunks past K) and ring depths 2 and 4 (the range
     that won in explorations run 25) and also the Gluon W2 with 4- and 8-warp programs (8 won at
     M = 8 in runs 27, 46 and 47, its copies two chunks ahead; 4 with the cap at M = 4 in runs
-    60-61, three ahead in runs 62-63), else the tl W13's splits and the tl W2. The table's entries
-    are among them."""
+    60-61, three ahead in runs 62-63, under the largest carveout, beside W13, since run 75), else
+    the tl W13's splits and the tl W2. The table's entries are among them."""
     caps = (0, 128) if GroupedConfig(w2_max_registers=128).w2_compile_options(capability) else (0,)
     w13 = ([(rows, stages) for rows in (128, 256, 512) for stages in (2, 4)] if ring
            else [(rows, 0) for rows in (128, 192, 256, 384, 512)])
-    w2 = [(False, warps, cap, 2) for warps in (4, 8) for cap in caps]  # 2, the default: the tl W2 ignores it
-    w2 += [(True, 4, cap, 3) for cap in caps] + [(True, 8, 0, 2)] if ring else []
+    # 2 ahead, the default: the tl W2 ignores it
+    w2 = [(False, warps, cap, 2, False) for warps in (4, 8) for cap in caps]
+    w2 += [(True, 4, cap, 3, True) for cap in caps] + [(True, 8, 0, 2, False)] if ring else []
     return tuple(
         GroupedConfig(w13_block_k=w13_block_k, w13_ring_stages=stages, w2_warps=w2_warps,
-                      w2_max_registers=w2_max_registers, w2_ring=w2_ring, w2_copy_ahead=ahead)
+                      w2_max_registers=w2_max_registers, w2_ring=w2_ring, w2_copy_ahead=ahead,
+                      max_shared_carveout=max_shared)
         for w13_block_k, stages in w13
-        for w2_ring, w2_warps, w2_max_registers, ahead in w2
+        for w2_ring, w2_warps, w2_max_registers, ahead, max_shared in w2
     )
 
 

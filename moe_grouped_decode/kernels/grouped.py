@@ -62,6 +62,7 @@ import triton.language as tl
 from .awq_mma import CHUNK_ROWS, TILE_WORDS, awq_mma_chunk, chunk_columns, chunk_lanes, chunk_rows
 from .. import env
 from . import MIN_CUDA_CAPABILITY, cuda_capability, w13_ring, w2_ring
+from .carveout import prefer_max_shared_carveout
 from .awq_tiles import silu_mul
 from .combine import combine_rows, combine_tile
 from .configs import GroupedConfig
@@ -417,17 +418,18 @@ def grouped_decode(
     # without a timeline the kernels compile the stamps out; any pointer fills the argument
     w13_stamps = timeline.w13 if timeline is not None else scratch.live_count
     w2_stamps = timeline.w2 if timeline is not None else scratch.live_count
+    launched = []
     if "w13" in stages and ring:
-        w13_ring.w13_ring_kernel[(w13_programs,)](
+        launched.append(w13_ring.w13_ring_kernel[(w13_programs,)](
             hidden_states, hidden_states.stride(0), topk_ids, w13_qweight, w13_scales, w13_qzeros,
             scratch.gate_up_partials, rows, scratch.combine_arrivals, num_arrivals, w13_stamps,
             TOP_K=top_k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, CHUNKS_PAD=_next_pow2(config.w13_chunks),
             SPLITS=splits, STAGES=config.w13_ring_stages,
             ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
             TIMELINE=timeline is not None, num_warps=1,
-        )
+        ))
     elif "w13" in stages:
-        _w13_kernel[(w13_programs,)](
+        launched.append(_w13_kernel[(w13_programs,)](
             hidden_states, hidden_states.stride(0),
             topk_ids,
             w13_qweight, w13_scales, w13_qzeros,
@@ -439,9 +441,9 @@ def grouped_decode(
             CHUNKS=config.w13_chunks, WARPS=config.w13_warps, SPLITS=splits, R_PAD=max(16, _next_pow2(rows)),
             ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
             timeline_ptr=w13_stamps, TIMELINE=timeline is not None, num_warps=config.w13_warps,
-        )
+        ))
     if "w2" in stages and uses_w2_ring(config, capability, K):
-        w2_ring.w2_ring_kernel[w2_grid](
+        launched.append(w2_ring.w2_ring_kernel[w2_grid](
             topk_ids, scratch.gate_up_partials, w2_qweight, w2_scales, w2_qzeros, scratch.row_outputs, rows,
             topk_weights, out, out.stride(0), scratch.combine_arrivals,
             scratch.sorted_rows, scratch.sorted_experts, scratch.active_experts, scratch.segment_offsets,
@@ -451,9 +453,9 @@ def grouped_decode(
             TOP_K=top_k, IS_BF16=is_bf16, USE_PDL=use_pdl, COMPACT=ring, R_PAD=max(16, _next_pow2(rows)),
             TIMELINE=timeline is not None, num_warps=config.w2_warps, **launch_options(use_pdl),
             **config.w2_compile_options(capability),
-        )
+        ))
     elif "w2" in stages:
-        _w2_rows_kernel[w2_grid](
+        launched.append(_w2_rows_kernel[w2_grid](
             topk_ids,
             scratch.gate_up_partials,
             w2_qweight, w2_scales, w2_qzeros,
@@ -467,6 +469,9 @@ def grouped_decode(
             COMPACT=ring, R_PAD=max(16, _next_pow2(rows)), timeline_ptr=w2_stamps, TIMELINE=timeline is not None,
             ACT_SPLIT=config.w2_act_split, num_warps=config.w2_warps, **launch_options(use_pdl),
             **config.w2_compile_options(capability),
-        )
+        ))
     if not config.fused_combine and "combine" in stages:
         combine_rows(scratch.row_outputs, topk_weights, out, use_pdl)
+    if capability != (0, 0):  # a driver function to set (not the interpreter)
+        for kernel in launched:
+            prefer_max_shared_carveout(kernel, config.max_shared_carveout)
