@@ -6,7 +6,7 @@ An SM runs programs of two kernels side by side only while its current carveout 
 Without a preference the driver picks one per kernel from its resources, so whether the W2
 programs launched early (PDL) start beside W13's, and load their first weights during W13,
 hinges on both kernels' register counts: at M = 2 a W2 of 56 registers instead of 72, or a W13
-with a 2-stage ring, keeps W2 off until W13's programs leave (~5 us; explorations runs 73-74,
+with a 2-stage ring, keeps W2 off until W13's programs leave (~5 us; explorations runs 73-75,
 docs/PERF.md). A config's ``max_shared_carveout`` gives both launches the largest carveout, so
 neither can ask for one the other's SMs lack. Preferences between the smallest and the largest
 are no cure: most of them bring the same ~4 us cliff (run 74).
