@@ -97,12 +97,16 @@ def test_tuned_cache_round_trip_and_precedence(tmp_path, monkeypatch):
     # a fresh process reads it back; entries of another version of GroupedConfig are skipped
     entries = json.loads(path.read_text())
     entries["E1_k1_K32_N32_G32_fp16_M1"] = dict(dataclasses.asdict(tuned), field_of_the_future=1)
+    older = dataclasses.asdict(tuned)
+    del older["max_shared_carveout"]  # as v12's files before 3fbe300 hold them
+    entries["E1_k1_K32_N32_G32_fp16_M2"] = older
     path.write_text(json.dumps(entries))
     monkeypatch.setattr(configs, "_tuned", {})
     monkeypatch.setattr(configs, "_loaded_files", set())
     configs.load_tuned(path)
     assert configs.tuned_config(QWEN38_TP4_SHAPE, "fp16", 4) == tuned
     assert configs.tuned_config((1, 1, 32, 32, 32), "fp16", 1) is None
+    assert configs.tuned_config((1, 1, 32, 32, 32), "fp16", 2) is None
 
 
 def test_corrupt_cache_file_is_ignored(tmp_path, monkeypatch):

@@ -447,31 +447,22 @@ def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages,
 
 
 @pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")
-def test_largest_carveout_is_asked_of_both_launches_and_changes_no_bits(layer, workspace, monkeypatch):
+def test_largest_carveout_has_binaries_of_its_own_and_changes_no_bits(layer, workspace, monkeypatch):
     """M = 2's table entry asks both launches for the largest shared-memory carveout
-    (kernels/carveout.py): the driver reads the preference back from both kernels; the same config
-    without it takes it away again (one binary serves both configs), and the bits are the same."""
+    (kernels/carveout.py): its W13 and W2 binaries carry the preference (read back from the
+    driver); the same config without it launches other binaries, which do not, so neither config
+    runs under the other's preference whatever their order; and the bits are the same."""
     import ctypes
 
-    from moe_grouped_decode.kernels import carveout, grouped
+    from moe_grouped_decode.kernels import grouped
 
     monkeypatch.delenv(GLUON_W13_ENV, raising=False)
-    kernels = {}
-
-    def recording(kernel, prefer):
-        kernels[kernel.name] = kernel.function
-        carveout.prefer_max_shared_carveout(kernel, prefer)
-
-    monkeypatch.setattr(grouped, "prefer_max_shared_carveout", recording)
     libcuda = ctypes.CDLL("libcuda.so.1")
 
-    def preferences():
-        values = []
-        for function in kernels.values():
-            value = ctypes.c_int()
-            assert libcuda.cuFuncGetAttribute(ctypes.byref(value), 9, ctypes.c_void_p(function)) == 0
-            values.append(value.value)
-        return values
+    def preference(kernel):
+        value = ctypes.c_int()
+        assert libcuda.cuFuncGetAttribute(ctypes.byref(value), 9, ctypes.c_void_p(kernel.function)) == 0
+        return value.value
 
     weights, cpu_weights = layer
     M = 2
@@ -481,15 +472,15 @@ def test_largest_carveout_is_asked_of_both_launches_and_changes_no_bits(layer, w
     table = table_config(weights.dtype, M)
     assert table.max_shared_carveout
     views = workspace_views(workspace, M * TOP_K, K, N)
-    bits = {}
-    for config in (table, dataclasses.replace(table, max_shared_carveout=False), table):
-        for _ in range(2):  # the preference holds from a kernel's second launch on
-            out = torch.full_like(x, float("nan"))
-            workspace.fill_(-1)
-            grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, out, config)
-        assert len(kernels) == 2  # W13 and W2
-        assert all((value == 100) == config.max_shared_carveout for value in preferences()), preferences()
+    functions, bits = {True: set(), False: set()}, {}
+    for call, config in enumerate((table, dataclasses.replace(table, max_shared_carveout=False), table)):
+        out = torch.full_like(x, float("nan"))
+        workspace.fill_(-1)
+        kernels = grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, out, config)
+        assert [preference(kernel) == 100 for kernel in kernels] == [config.max_shared_carveout] * 2
+        functions[config.max_shared_carveout].update(kernel.function for kernel in kernels)
         bits[config.max_shared_carveout] = out.view(torch.int16).clone()
-        assert_close(f"grouped {weights.dtype} M=2 largest carveout {config.max_shared_carveout}", out, x, tw, ids,
-                     cpu_weights)
+        assert_close(f"grouped {weights.dtype} M=2 largest carveout {config.max_shared_carveout} (call {call})", out,
+                     x, tw, ids, cpu_weights)
+    assert len(functions[True]) == len(functions[False]) == 2 and functions[True].isdisjoint(functions[False])
     assert torch.equal(bits[True], bits[False])

@@ -71,7 +71,7 @@ def test_programs_per_sm(registers, warps, shared, programs):
 
 @pytest.mark.parametrize("registers, warps, shared, carveout_kb", [
     (72, 4, 26112, 196),  # M = 2's 4-warp Gluon W2: seven programs by registers; beside W13 (run 69)
-    (56, 4, 26112, 228),  # the same uncapped: eight, only the largest holds them; kept off W13 (run 73)
+    (56, 4, 26112, 228),  # the same uncapped: nine by registers, no carveout holds them; kept off W13 (run 73)
     (79, 4, 26112, 164),  # the capped W2 with timestamps: six; beside the 2-stage W13 too (run 73)
     (72, 1, 5888, 196),  # M = 2's W13, a 4-stage ring: 28 programs
     (72, 1, 3840, 164),  # a 2-stage ring: W2 at 196 KB kept off it (run 71's cliff)

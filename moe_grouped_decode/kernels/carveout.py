@@ -9,35 +9,37 @@ hinges on both kernels' register counts: at M = 2 a W2 of 56 registers instead o
 with a 2-stage ring, keeps W2 off until W13's programs leave (~5 us; explorations runs 73-75,
 docs/PERF.md). A config's ``max_shared_carveout`` gives both launches the largest carveout, so
 neither can ask for one the other's SMs lack. Preferences between the smallest and the largest
-are no cure: most of them bring the same ~4 us cliff (run 74).
+are no cure: most of them bring a cliff of 3-5 us (run 74).
+
+The preference is an attribute of a compiled kernel, not of a launch, so the kernels take the
+config's setting as a constexpr they never read (``MAX_SHARED_CARVEOUT``): each setting compiles
+its own binary, and no launch runs under another config's preference.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Dict, Optional
+from typing import Optional, Set
 
 _PREFERRED_SHARED_MEMORY_CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
 _MAX_SHARED = 100  # percent: CU_SHAREDMEM_CARVEOUT_MAX_SHARED
-_NO_PREFERENCE = -1  # CU_SHAREDMEM_CARVEOUT_DEFAULT
 _libcuda: Optional[ctypes.CDLL] = None
-_preferences: Dict[int, int] = {}  # CUfunction -> the preference it was last given here
+_preferred: Set[int] = set()  # the CUfunctions given the preference
 
 
-def prefer_max_shared_carveout(kernel, prefer: bool) -> None:
-    """Give the compiled ``kernel`` (what a Triton launch returns) the largest carveout as its
-    preference, or (``prefer`` False) none. A function attribute: it holds from the kernel's next
-    launch on, and every caller launches eagerly before a CUDA-graph capture. Set only when it
-    changes (a kernel binary can serve configs with either)."""
-    want = _MAX_SHARED if prefer else _NO_PREFERENCE
-    if _preferences.get(kernel.function, _NO_PREFERENCE) == want:
+def prefer_max_shared_carveout(kernel) -> None:
+    """Give the compiled ``kernel`` (what a Triton launch returns, built with
+    MAX_SHARED_CARVEOUT) the largest carveout as its preference, once. It holds from the
+    kernel's next launch on: the first launch of each binary runs under the driver's choice
+    (only slower; callers launch eagerly before they capture a CUDA graph)."""
+    if kernel.function in _preferred:
         return
     global _libcuda
     if _libcuda is None:
         _libcuda = ctypes.CDLL("libcuda.so.1")
     result = _libcuda.cuFuncSetAttribute(ctypes.c_void_p(kernel.function), _PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                         ctypes.c_int(want))
+                                         ctypes.c_int(_MAX_SHARED))
     if result != 0:
-        raise RuntimeError(f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT, {want}) on {kernel.name} "
+        raise RuntimeError(f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT, {_MAX_SHARED}) on {kernel.name} "
                            f"failed: CUresult {result}")
-    _preferences[kernel.function] = want
+    _preferred.add(kernel.function)

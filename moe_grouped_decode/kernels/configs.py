@@ -171,11 +171,14 @@ def load_tuned(path: Path) -> None:
         entries = json.loads(path.read_text())
     except (OSError, ValueError):
         return
+    if not isinstance(entries, dict):
+        return
+    names = {f.name for f in dataclasses.fields(GroupedConfig)}
     for key, fields in entries.items():
-        try:
+        # written by another version of this file: a field it lacks was not searched, a field it
+        # has is not known here (a config tuned without max_shared_carveout would run without it)
+        if isinstance(fields, dict) and set(fields) == names:
             _tuned[key] = GroupedConfig(**fields)
-        except TypeError:
-            continue  # written by another version of this file
 
 
 def store_tuned(path: Path, key: str, config: GroupedConfig) -> None:
@@ -231,7 +234,8 @@ def grouped_candidates(capability: Tuple[int, int], ring: bool) -> Tuple[Grouped
     caps = (0, 128) if GroupedConfig(w2_max_registers=128).w2_compile_options(capability) else (0,)
     w13 = ([(rows, stages) for rows in (128, 256, 512) for stages in (2, 4)] if ring
            else [(rows, 0) for rows in (128, 192, 256, 384, 512)])
-    # 2 ahead, the default: the tl W2 ignores it
+    # (Gluon W2, warps, register cap, chunks copied ahead: 2, the default, which the tl W2 ignores,
+    # the largest carveout: for the 4-warp Gluon W2, which runs beside W13)
     w2 = [(False, warps, cap, 2, False) for warps in (4, 8) for cap in caps]
     w2 += [(True, 4, cap, 3, True) for cap in caps] + [(True, 8, 0, 2, False)] if ring else []
     return tuple(

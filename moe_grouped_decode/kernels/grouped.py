@@ -118,6 +118,8 @@ def _w13_kernel(
     CHUNKS: tl.constexpr, WARPS: tl.constexpr, SPLITS: tl.constexpr, R_PAD: tl.constexpr,
     ARRIVALS_PAD: tl.constexpr, IS_BF16: tl.constexpr, USE_PDL: tl.constexpr,
     timeline_ptr, TIMELINE: tl.constexpr,
+    # not read: the binary's launch attribute (kernels/carveout.py), so each setting has a binary of its own
+    MAX_SHARED_CARVEOUT: tl.constexpr = False,
 ):
     """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols].
 
@@ -208,6 +210,8 @@ def _w2_rows_kernel(
     IS_BF16: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_PDL: tl.constexpr,
     COMPACT: tl.constexpr, R_PAD: tl.constexpr,
     timeline_ptr, TIMELINE: tl.constexpr, RN_SCALE: tl.constexpr = False, ACT_SPLIT: tl.constexpr = False,
+    # not read: the binary's launch attribute (kernels/carveout.py), so each setting has a binary of its own
+    MAX_SHARED_CARVEOUT: tl.constexpr = False,
 ):
     """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32.
 
@@ -370,8 +374,9 @@ def grouped_decode(
     hidden_states, topk_weights, topk_ids,
     w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size: int,
     scratch, out, config: GroupedConfig, stages: Tuple[str, ...] = STAGES, timeline: Optional[Timeline] = None,
-) -> None:
-    """Launch the grouped decode into ``out`` [M, K].
+) -> list:
+    """Launch the grouped decode into ``out`` [M, K]; return what the W13 and W2 launches returned
+    (their compiled kernels on a GPU).
 
     ``scratch`` holds the workspace regions as attributes (``ops.workspace_views``):
     int32 ``sorted_rows``, ``sorted_experts`` (compaction scratch), ``active_experts``,
@@ -426,7 +431,7 @@ def grouped_decode(
             TOP_K=top_k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, CHUNKS_PAD=_next_pow2(config.w13_chunks),
             SPLITS=splits, STAGES=config.w13_ring_stages,
             ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
-            TIMELINE=timeline is not None, num_warps=1,
+            TIMELINE=timeline is not None, MAX_SHARED_CARVEOUT=config.max_shared_carveout, num_warps=1,
         ))
     elif "w13" in stages:
         launched.append(_w13_kernel[(w13_programs,)](
@@ -440,7 +445,7 @@ def grouped_decode(
             TOP_K=top_k, K=K, TWO_N=2 * N, G=G,
             CHUNKS=config.w13_chunks, WARPS=config.w13_warps, SPLITS=splits, R_PAD=max(16, _next_pow2(rows)),
             ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
-            timeline_ptr=w13_stamps, TIMELINE=timeline is not None, num_warps=config.w13_warps,
+            timeline_ptr=w13_stamps, TIMELINE=timeline is not None, MAX_SHARED_CARVEOUT=config.max_shared_carveout, num_warps=config.w13_warps,
         ))
     if "w2" in stages and uses_w2_ring(config, capability, K):
         launched.append(w2_ring.w2_ring_kernel[w2_grid](
@@ -451,7 +456,7 @@ def grouped_decode(
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, CHUNKS_PAD=_next_pow2(N // CHUNK_ROWS.value),
             AHEAD=min(config.w2_copy_ahead, N // CHUNK_ROWS.value), ACT_SPLIT=config.w2_act_split,
             TOP_K=top_k, IS_BF16=is_bf16, USE_PDL=use_pdl, COMPACT=ring, R_PAD=max(16, _next_pow2(rows)),
-            TIMELINE=timeline is not None, num_warps=config.w2_warps, **launch_options(use_pdl),
+            TIMELINE=timeline is not None, MAX_SHARED_CARVEOUT=config.max_shared_carveout, num_warps=config.w2_warps, **launch_options(use_pdl),
             **config.w2_compile_options(capability),
         ))
     elif "w2" in stages:
@@ -466,12 +471,13 @@ def grouped_decode(
             scratch.live_count,
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=_next_pow2(N), TOP_K=top_k,
             IS_BF16=is_bf16, FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
-            COMPACT=ring, R_PAD=max(16, _next_pow2(rows)), timeline_ptr=w2_stamps, TIMELINE=timeline is not None,
+            COMPACT=ring, R_PAD=max(16, _next_pow2(rows)), timeline_ptr=w2_stamps, TIMELINE=timeline is not None, MAX_SHARED_CARVEOUT=config.max_shared_carveout,
             ACT_SPLIT=config.w2_act_split, num_warps=config.w2_warps, **launch_options(use_pdl),
             **config.w2_compile_options(capability),
         ))
     if not config.fused_combine and "combine" in stages:
         combine_rows(scratch.row_outputs, topk_weights, out, use_pdl)
-    if capability != (0, 0):  # a driver function to set (not the interpreter)
+    if config.max_shared_carveout and capability != (0, 0):  # the interpreter runs no CUfunction
         for kernel in launched:
-            prefer_max_shared_carveout(kernel, config.max_shared_carveout)
+            prefer_max_shared_carveout(kernel)
+    return launched

@@ -49,6 +49,8 @@ if AVAILABLE:
         TOP_K: gl.constexpr, K: gl.constexpr, TWO_N: gl.constexpr, G: gl.constexpr, CHUNKS: gl.constexpr,
         CHUNKS_PAD: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr, ARRIVALS_PAD: gl.constexpr,
         IS_BF16: gl.constexpr, USE_PDL: gl.constexpr, TIMELINE: gl.constexpr,
+        # not read: the binary's launch attribute (kernels/carveout.py), so each setting has a binary of its own
+        MAX_SHARED_CARVEOUT: gl.constexpr = False,
     ):
         """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols]
         (one warp; program 1 + (row * SPLITS + s) * TILES + tile, as grouped._w13_kernel)."""

@@ -93,6 +93,8 @@ if AVAILABLE:
         CHUNKS_PAD: gl.constexpr, AHEAD: gl.constexpr, ACT_SPLIT: gl.constexpr, TOP_K: gl.constexpr,
         IS_BF16: gl.constexpr, USE_PDL: gl.constexpr,
         COMPACT: gl.constexpr, R_PAD: gl.constexpr, TIMELINE: gl.constexpr,
+        # not read: the binary's launch attribute (kernels/carveout.py), so each setting has a binary of its own
+        MAX_SHARED_CARVEOUT: gl.constexpr = False,
     ):
         """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols] and the fused
         combine, as grouped._w2_rows_kernel (program (row, tile), warp w: 64 columns). Needs
