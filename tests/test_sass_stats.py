@@ -77,7 +77,7 @@ def test_programs_per_sm(registers, warps, shared, programs):
     (72, 1, 3840, 164),  # a 2-stage ring: W2 at 196 KB kept off it (run 71's cliff)
     (128, 4, 26112, 132),  # M = 4's W2: four; beside W13 (run 69)
     (64, 4, 26112, 228),  # M = 8's 4-warp W2: kept off W13 (run 70)
-    (78, 1, 5632, 164),  # M = 8's W13
+    (78, 1, 5632, 164),  # M = 8's W13 with a 2-stage ring (the table's before run 79)
     (65, 8, 51712, 228),  # M = 8's 8-warp W2 in bf16: over 48 KB, Triton asks for the largest
 ])
 def test_driver_carveout_model(registers, warps, shared, carveout_kb):

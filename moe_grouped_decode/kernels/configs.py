@@ -118,12 +118,14 @@ QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 # beats the 8-warp tl W2 by 0.1 us in fp16 and 0.4 in bf16 (run 68; 8-warp Gluon programs lose
 # 4.9, run 60). Both run their W2 beside W13 under the largest shared-memory carveout: no faster
 # (run 75), but without it a W2 uncapped (56 registers) or a 2-stage W13 ring lost ~5 us at M = 2,
-# the driver then keeping W2 off W13's SMs (runs 68, 71, 73-75; kernels/carveout.py).
+# the driver then keeping W2 off W13's SMs (runs 68, 71, 73-75; kernels/carveout.py). At M = 8 a
+# 3-stage W13 ring beats the 2-stage one by 0.2-0.3 us in fp16, 0.1 in bf16 (runs 78-79, same bits;
+# deeper rings lose everywhere, 3 at M = 2 too).
 _W2_GLUON_4_WARPS = dict(w2_warps=4, w2_max_registers=128, w2_ring=True, w2_copy_ahead=3, max_shared_carveout=True)
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
     2: GroupedConfig(w13_block_k=256, w13_ring_stages=4, **_W2_GLUON_4_WARPS),
     4: GroupedConfig(w13_block_k=256, w13_ring_stages=4, **_W2_GLUON_4_WARPS),
-    8: GroupedConfig(w13_block_k=512, w2_warps=8, w13_ring_stages=2, w2_ring=True),
+    8: GroupedConfig(w13_block_k=512, w2_warps=8, w13_ring_stages=3, w2_ring=True),
 }
 # Where the Gluon W13 does not run (no Gluon, VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0): v8's table for
 # the tl W13, which wants shorter splits (run 25: the tl W13 at 256 rows is 2 us slower at M = 2).
@@ -226,13 +228,13 @@ def grouped_candidates(capability: Tuple[int, int], ring: bool) -> Tuple[Grouped
     """The small search space of the opt-in autotune (and of `bench --sweep`) on a GPU of
     compute ``capability`` (the register cap only where it applies: w2_compile_options); with
     ``ring`` (the Gluon W13 runs there), W13 splits of 128 / 256 / 512 rows (they tile qwen3.8's
-    K = 2560; elsewhere the last split masks its chunks past K) and ring depths 2 and 4 (the range
-    that won in explorations run 25) and also the Gluon W2 with 4- and 8-warp programs (8 won at
+    K = 2560; elsewhere the last split masks its chunks past K) and ring depths 2, 3 and 4 (2 and 4
+    won in explorations run 25, 3 at M = 8 in runs 78-79) and also the Gluon W2 with 4- and 8-warp programs (8 won at
     M = 8 in runs 27, 46 and 47, its copies two chunks ahead; 4 with the cap at M = 4 in runs
     60-61, three ahead in runs 62-63, under the largest carveout, beside W13, since run 75), else
     the tl W13's splits and the tl W2. The table's entries are among them."""
     caps = (0, 128) if GroupedConfig(w2_max_registers=128).w2_compile_options(capability) else (0,)
-    w13 = ([(rows, stages) for rows in (128, 256, 512) for stages in (2, 4)] if ring
+    w13 = ([(rows, stages) for rows in (128, 256, 512) for stages in (2, 3, 4)] if ring
            else [(rows, 0) for rows in (128, 192, 256, 384, 512)])
     # (Gluon W2, warps, register cap, chunks copied ahead: 2, the default, which the tl W2 ignores,
     # the largest carveout: for the 4-warp Gluon W2, which runs beside W13)
