@@ -8,7 +8,11 @@ routing. Every program stamps %globaltimer at fixed points (W13: start, end; W2:
 the PDL wait, activations written, row output stored, end); times are us from the layer's first
 W13 program start, medians over layers 1..30 (the first and last have no neighbour on one side).
 The stamps cost a little (the "us per layer" row is with them). The smallest step seen between
-stamps (the timer's resolution, or finer than it) is printed.
+stamps (the timer's resolution, or finer than it) is printed. They can also move where W2 runs:
+the registers they take can change the carveout the driver gives a kernel, and with it whether
+W2's programs start beside W13's (kernels/carveout.py; M = 8's 3-stage ring W13 takes 75
+registers in the op, 71 with the stamps). The last row says, by sass_stats' carveout model, for
+the op and for the stamped build; where they differ the timeline is not the op's.
 """
 import argparse
 import dataclasses
@@ -24,6 +28,7 @@ from moe_grouped_decode.contract import QWEN38_TP4 as c
 from moe_grouped_decode.kernels import configs, cuda_capability, grouped
 from moe_grouped_decode.ops import alloc_workspace, workspace_views
 from moe_grouped_decode.ops.cuda import graph_replay_us
+from sass_stats import driver_carveout_kb
 
 LAYERS = 32
 E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
@@ -76,6 +81,11 @@ def measure(M: int, layers, workspace, gen, fields=None):
         grouped.grouped_decode(xs[i], tws[i], ids[i], *layers[i].op_args(), views, outs[i], config,
                                timeline=timelines[i])
 
+    # before the replays, which then overwrite the stamps of this eager call
+    beside = {stamped: w2_beside_w13(grouped.grouped_decode(xs[0], tws[0], ids[0], *layers[0].op_args(), views,
+                                                             outs[0], config, timeline=timelines[0] if stamped else None),
+                                      config)
+              for stamped in (False, True)}
     us = graph_replay_us(step, LAYERS)
     # the stamps are ns since 1970 (~2^61): from a common base first, so doubles hold them exactly
     base = min(t.w13[:, 0].min().item() for t in timelines)
@@ -85,7 +95,19 @@ def measure(M: int, layers, workspace, gen, fields=None):
     grain_ns = min(b - a for a, b in zip(stamps, stamps[1:]) if b > a)
     points = [layer_points(w13[i], w2[i], w13[i + 1], w2[i - 1], M * k) for i in range(1, LAYERS - 1)]
     medians = {name: statistics.median(float(p[name]) for p in points) for name in points[0]}
+    medians["W2 beside W13 by the carveout model: the op / with the stamps"] = " / ".join(beside.values())
     return us, config, grain_ns, medians
+
+
+def w2_beside_w13(kernels, config) -> str:
+    """Whether the W2 launch's programs may start beside W13's (``kernels``: what grouped_decode
+    returned), by sass_stats.driver_carveout_kb: "yes" under the largest carveout for both, else
+    where W2's carveout is no larger than W13's; with both kernels' registers."""
+    w13, w2 = kernels
+    if config.max_shared_carveout:
+        return f"yes, the largest ({w13.n_regs}, {w2.n_regs} registers)"
+    kb = [driver_carveout_kb(kernel.n_regs, kernel.metadata.num_warps, kernel.metadata.shared) for kernel in kernels]
+    return f"{'yes' if kb[1] <= kb[0] else 'no'} ({w13.n_regs} / {w2.n_regs} registers, {kb[0]} / {kb[1]} KB)"
 
 
 def main(argv=None) -> int:
@@ -113,7 +135,8 @@ def main(argv=None) -> int:
              "| | " + " | ".join(f"M = {M}" for M in Ms) + " |", "| --- |" + " --- |" * len(Ms),
              "| us per layer (graph replay, with the stamps) | " + " | ".join(f"{results[M][0]:.2f}" for M in Ms) + " |"]
     for name in results[Ms[0]][3]:
-        lines.append(f"| {name} | " + " | ".join(f"{results[M][3][name]:.2f}" for M in Ms) + " |")
+        cells = (results[M][3][name] for M in Ms)
+        lines.append(f"| {name} | " + " | ".join(c if isinstance(c, str) else f"{c:.2f}" for c in cells) + " |")
     table = "\n".join(lines)
     print(table)
     if args.out:
