@@ -102,8 +102,11 @@ def measure(M: int, layers, workspace, gen, fields=None):
 def w2_beside_w13(kernels, config) -> str:
     """Whether the W2 launch's programs may start beside W13's (``kernels``: what grouped_decode
     returned), by sass_stats.driver_carveout_kb: "yes" under the largest carveout for both, else
-    where W2's carveout is no larger than W13's; with both kernels' registers."""
+    where W2's carveout is no larger than W13's; with both kernels' registers. The model and its
+    carveouts are Hopper's."""
     w13, w2 = kernels
+    if cuda_capability(torch.device("cuda"))[0] != 9:
+        return "n/a (the carveout model is Hopper's)"
     if config.max_shared_carveout:
         return f"yes, the largest ({w13.n_regs}, {w2.n_regs} registers)"
     kb = [driver_carveout_kb(kernel.n_regs, kernel.metadata.num_warps, kernel.metadata.shared) for kernel in kernels]
@@ -136,7 +139,7 @@ def main(argv=None) -> int:
              "| us per layer (graph replay, with the stamps) | " + " | ".join(f"{results[M][0]:.2f}" for M in Ms) + " |"]
     for name in results[Ms[0]][3]:
         cells = (results[M][3][name] for M in Ms)
-        lines.append(f"| {name} | " + " | ".join(c if isinstance(c, str) else f"{c:.2f}" for c in cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(cell if isinstance(cell, str) else f"{cell:.2f}" for cell in cells) + " |")
     table = "\n".join(lines)
     print(table)
     if args.out:

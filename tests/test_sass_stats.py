@@ -77,7 +77,10 @@ def test_programs_per_sm(registers, warps, shared, programs):
     (72, 1, 3840, 164),  # a 2-stage ring: W2 at 196 KB kept off it (run 71's cliff)
     (128, 4, 26112, 132),  # M = 4's W2: four; beside W13 (run 69)
     (64, 4, 26112, 228),  # M = 8's 4-warp W2: kept off W13 (run 70)
-    (78, 1, 5632, 164),  # M = 8's W13 with a 2-stage ring (the table's before run 79)
+    (78, 1, 5632, 164),  # M = 8's W13 with a 2-stage ring (the table's before 00e1d95)
+    (75, 1, 6656, 196),  # M = 8's W13, a 3-stage ring: 25 programs; the 8-warp W2 (228) kept off
+    (80, 1, 6656, 196),  # the same in bf16
+    (71, 1, 6656, 228),  # the same with the timeline's stamps: 28 programs; W2 beside it (run 81)
     (65, 8, 51712, 228),  # M = 8's 8-warp W2 in bf16: over 48 KB, Triton asks for the largest
 ])
 def test_driver_carveout_model(registers, warps, shared, carveout_kb):
@@ -149,3 +152,32 @@ for dtype in ("fp16", "bf16"):
         # two mma (hi, lo) per 16 rows of each chunk's two 16-row halves: 5 chunks x 2 x 4 column tiles x 2
         assert 0 < int(registers) <= 255 and int(stack) == 0 and int(mmas) == 80, stdout
 
+
+
+def test_timeline_says_where_w2_may_start(monkeypatch):
+    """benchmarks/timeline.py's last row: by the carveout model, from the registers and shared
+    memory of the kernels a grouped call launched, whether W2 may start beside W13 (run 81: the
+    stamps take M = 8's W13 from 75 registers to 71 and let W2 beside it)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from moe_grouped_decode.kernels.configs import GroupedConfig
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("timeline_tool", ROOT / "benchmarks" / "timeline.py")
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    monkeypatch.setattr(timeline, "cuda_capability", lambda device: (9, 0))
+
+    def kernel(registers, warps, shared):
+        return SimpleNamespace(n_regs=registers, metadata=SimpleNamespace(num_warps=warps, shared=shared))
+
+    w2 = kernel(64, 8, 51712)  # M = 8's 8-warp Gluon W2
+    driver = GroupedConfig()
+    assert timeline.w2_beside_w13([kernel(75, 1, 6656), w2], driver) == "no (75 / 64 registers, 196 / 228 KB)"
+    assert timeline.w2_beside_w13([kernel(71, 1, 6656), w2], driver) == "yes (71 / 64 registers, 228 / 228 KB)"
+    largest = GroupedConfig(max_shared_carveout=True)
+    assert timeline.w2_beside_w13([kernel(72, 1, 5888), kernel(72, 4, 26112)], largest) == \
+        "yes, the largest (72, 72 registers)"
+    monkeypatch.setattr(timeline, "cuda_capability", lambda device: (8, 0))
+    assert timeline.w2_beside_w13([kernel(75, 1, 6656), w2], driver).startswith("n/a")

@@ -119,8 +119,8 @@ QWEN38_TP4_SHAPE = (512, 10, 2560, 160, 32)
 # 4.9, run 60). Both run their W2 beside W13 under the largest shared-memory carveout: no faster
 # (run 75), but without it a W2 uncapped (56 registers) or a 2-stage W13 ring lost ~5 us at M = 2,
 # the driver then keeping W2 off W13's SMs (runs 68, 71, 73-75; kernels/carveout.py). At M = 8 a
-# 3-stage W13 ring beats the 2-stage one by 0.2-0.3 us in fp16, 0.1 in bf16 (runs 78-79, same bits;
-# deeper rings lose everywhere, 3 at M = 2 too).
+# 3-stage W13 ring beats the 2-stage one by 0.2-0.3 us in fp16, 0.1 in bf16 (runs 78-79, same bits);
+# elsewhere other depths lose: 4 at M = 8 +0.55 us, 6 and 8 at M = 2 and 4 +0.2 to +0.8, 3 at M = 2 +0.25.
 _W2_GLUON_4_WARPS = dict(w2_warps=4, w2_max_registers=128, w2_ring=True, w2_copy_ahead=3, max_shared_carveout=True)
 _QWEN38_TP4_GROUPED: Dict[int, GroupedConfig] = {
     2: GroupedConfig(w13_block_k=256, w13_ring_stages=4, **_W2_GLUON_4_WARPS),
