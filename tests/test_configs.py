@@ -73,7 +73,8 @@ def test_candidates_ask_for_the_ring_only_where_it_runs():
     assert {c.w13_ring_stages for c in without} == {0}
     assert {c.w13_ring_stages for c in with_ring} == {2, 3, 4}
     assert {c.w2_ring for c in without} == {False}  # nor the Gluon W2
-    gluon_w2 = {(c.w2_warps, c.w2_max_registers, c.w2_copy_ahead, c.max_shared_carveout) for c in with_ring if c.w2_ring}
+    gluon_w2 = {(c.w2_warps, c.w2_max_registers, c.w2_copy_ahead, c.max_shared_carveout)
+                for c in with_ring if c.w2_ring}
     # (warps, register cap, chunks copied ahead, the largest carveout: the 4-warp W2 runs beside W13)
     assert gluon_w2 == {(4, 0, 3, True), (4, 128, 3, True), (8, 0, 2, False)}
     assert not any(c.max_shared_carveout for c in with_ring + without if not c.w2_ring)

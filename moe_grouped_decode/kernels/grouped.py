@@ -445,7 +445,8 @@ def grouped_decode(
             TOP_K=top_k, K=K, TWO_N=2 * N, G=G,
             CHUNKS=config.w13_chunks, WARPS=config.w13_warps, SPLITS=splits, R_PAD=max(16, _next_pow2(rows)),
             ARRIVALS_PAD=_next_pow2(num_arrivals) if num_arrivals else 0, IS_BF16=is_bf16, USE_PDL=use_pdl,
-            timeline_ptr=w13_stamps, TIMELINE=timeline is not None, MAX_SHARED_CARVEOUT=config.max_shared_carveout, num_warps=config.w13_warps,
+            timeline_ptr=w13_stamps, TIMELINE=timeline is not None, MAX_SHARED_CARVEOUT=config.max_shared_carveout,
+            num_warps=config.w13_warps,
         ))
     if "w2" in stages and uses_w2_ring(config, capability, K):
         launched.append(w2_ring.w2_ring_kernel[w2_grid](
@@ -456,7 +457,8 @@ def grouped_decode(
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, CHUNKS_PAD=_next_pow2(N // CHUNK_ROWS.value),
             AHEAD=min(config.w2_copy_ahead, N // CHUNK_ROWS.value), ACT_SPLIT=config.w2_act_split,
             TOP_K=top_k, IS_BF16=is_bf16, USE_PDL=use_pdl, COMPACT=ring, R_PAD=max(16, _next_pow2(rows)),
-            TIMELINE=timeline is not None, MAX_SHARED_CARVEOUT=config.max_shared_carveout, num_warps=config.w2_warps, **launch_options(use_pdl),
+            TIMELINE=timeline is not None, MAX_SHARED_CARVEOUT=config.max_shared_carveout, num_warps=config.w2_warps,
+            **launch_options(use_pdl),
             **config.w2_compile_options(capability),
         ))
     elif "w2" in stages:
@@ -471,8 +473,9 @@ def grouped_decode(
             scratch.live_count,
             K=K, N=N, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=_next_pow2(N), TOP_K=top_k,
             IS_BF16=is_bf16, FUSED_COMBINE=config.fused_combine, USE_PDL=use_pdl,
-            COMPACT=ring, R_PAD=max(16, _next_pow2(rows)), timeline_ptr=w2_stamps, TIMELINE=timeline is not None, MAX_SHARED_CARVEOUT=config.max_shared_carveout,
-            ACT_SPLIT=config.w2_act_split, num_warps=config.w2_warps, **launch_options(use_pdl),
+            COMPACT=ring, R_PAD=max(16, _next_pow2(rows)), timeline_ptr=w2_stamps, TIMELINE=timeline is not None,
+            MAX_SHARED_CARVEOUT=config.max_shared_carveout, ACT_SPLIT=config.w2_act_split, num_warps=config.w2_warps,
+            **launch_options(use_pdl),
             **config.w2_compile_options(capability),
         ))
     if not config.fused_combine and "combine" in stages:
