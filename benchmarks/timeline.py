@@ -12,7 +12,9 @@ stamps (the timer's resolution, or finer than it) is printed. They can also move
 the registers they take can change the carveout the driver gives a kernel, and with it whether
 W2's programs start beside W13's (kernels/carveout.py; M = 8's 3-stage ring W13 takes 75
 registers in the op, 71 with the stamps). The last row says, by sass_stats' carveout model, for
-the op and for the stamped build; where they differ the timeline is not the op's.
+the op and for the stamped build; where they differ the timeline is not the op's. The SM rows
+say how the programs spread over the GPU's SMs (each program stores the SM it ran on), and
+whether W2 programs on the SMs that host the most of them end later.
 """
 import argparse
 import dataclasses
@@ -26,11 +28,13 @@ import torch
 from moe_grouped_decode.bench import random_layer_inputs, rotated_layers
 from moe_grouped_decode.contract import QWEN38_TP4 as c
 from moe_grouped_decode.kernels import configs, cuda_capability, grouped
+from moe_grouped_decode.kernels.timeline import W2_STAMPS, W13_STAMPS
 from moe_grouped_decode.ops import alloc_workspace, workspace_views
 from moe_grouped_decode.ops.cuda import graph_replay_us
 from sass_stats import driver_carveout_kb
 
 LAYERS = 32
+W13_SM, W2_SM = W13_STAMPS.index("sm"), W2_STAMPS.index("sm")  # the stamp buffers' SM slots
 E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
 
 
@@ -38,9 +42,10 @@ def _median(values) -> float:
     return statistics.median(values.flatten().tolist())
 
 
-def layer_points(w13, w2, next_w13, prev_w2, rows):
-    """One layer's measures, us: ``w13`` [programs, 2] and ``w2`` [grid rows, tiles, 5] stamps (ns,
-    from a common base) of the layer, the next layer's W13 and the previous layer's W2 stamps."""
+def layer_points(w13, w2, next_w13, prev_w2, rows, w13_sm, w2_sm):
+    """One layer's measures, us: ``w13`` [programs, 2] and ``w2`` [grid rows, tiles, 5] time stamps
+    (ns, from a common base) of the layer, the next layer's W13 and the previous layer's W2 time
+    stamps; ``w13_sm`` [programs] and ``w2_sm`` [grid rows, tiles]: the SM each program ran on."""
     t0 = w13[:, 0].min()
     us = lambda t: float(t - t0) / 1000.0  # noqa: E731
     tile_programs = w13[1:]  # program 0 zeroes counters (with the tl W13: and sorts); it is in the firsts and lasts
@@ -63,8 +68,24 @@ def layer_points(w13, w2, next_w13, prev_w2, rows):
         "W2 program: activations to row output stored": per_program(2, 3),
         "W2 program: row stored to end (arrival, combine)": per_program(3, 4),
         "W2 program: start to end": per_program(0, 4),
+        "W2: median program end": us(_median(tiles[..., 4])),
         "W2: last program end": us(tiles[..., 4].max()),
         "next layer's first W13 start": us(next_w13[:, 0].min()),
+        **sm_points(w13_sm, w2_sm[:rows].flatten(), tiles[..., 4].flatten(), us),
+    }
+
+
+def sm_points(w13_sm, w2_sm, w2_end, us):
+    """How the programs spread over the SMs: ``w2_sm`` and ``w2_end`` [W2 tile programs]."""
+    on_sm = torch.bincount(w2_sm.long())
+    busy = on_sm[w2_sm.long()]  # W2 tile programs on each program's SM
+    return {
+        "W13: SMs with a program": len(w13_sm.unique()),
+        "W2: SMs with a tile program": len(w2_sm.unique()),
+        "W2: tile programs on the busiest SM": busy.max().item(),
+        "W2: tile programs on the least busy SM with one": busy.min().item(),
+        "W2: median end of the programs on the busiest SMs": us(_median(w2_end[busy == busy.max()])),
+        "W2: median end of the programs on the least busy SMs": us(_median(w2_end[busy == busy.min()])),
     }
 
 
@@ -90,14 +111,18 @@ def measure(M: int, layers, workspace, gen, fields=None):
     us = graph_replay_us(step, LAYERS)
     # the stamps are ns since 1970 (~2^61): from a common base first, so doubles hold them exactly
     base = min(t.w13[:, 0].min().item() for t in timelines)
-    w13 = [(t.w13 - base).cpu().double() for t in timelines]
-    w2 = [(t.w2 - base).cpu().double() for t in timelines]
+    w13 = [(t.w13[:, :W13_SM] - base).cpu().double() for t in timelines]
+    w2 = [(t.w2[..., :W2_SM] - base).cpu().double() for t in timelines]
+    w13_sm = [t.w13[:, W13_SM].cpu() for t in timelines]
+    w2_sm = [t.w2[..., W2_SM].cpu() for t in timelines]
     stamps = sorted(set(torch.cat([w.flatten() for w in w13[1:4]]).tolist()))
     grain_ns = min(b - a for a, b in zip(stamps, stamps[1:]) if b > a)
-    points = [layer_points(w13[i], w2[i], w13[i + 1], w2[i - 1], M * k) for i in range(1, LAYERS - 1)]
+    points = [layer_points(w13[i], w2[i], w13[i + 1], w2[i - 1], M * k, w13_sm[i], w2_sm[i])
+              for i in range(1, LAYERS - 1)]
     medians = {name: statistics.median(float(p[name]) for p in points) for name in points[0]}
     medians["W2 beside W13 by the carveout model: the op / with the stamps"] = " / ".join(beside)
-    return us, config, grain_ns, medians
+    raw = {"w13": torch.stack([t.w13.cpu() for t in timelines]), "w2": torch.stack([t.w2.cpu() for t in timelines])}
+    return us, config, grain_ns, medians, raw
 
 
 def w2_beside_w13(kernels, config) -> str:
@@ -119,6 +144,8 @@ def main(argv=None) -> int:
     parser.add_argument("tokens", nargs="?", default="2,4,8")
     parser.add_argument("--out", default="", help="also write the Markdown table here")
     parser.add_argument("--fields", default="{}", help="GroupedConfig fields over the table's, as JSON")
+    parser.add_argument("--raw", default="", help="also save every layer's stamps here (torch.save: "
+                        "{M: {'w13': [layers, programs, 3], 'w2': [layers, rows, tiles, 6]}}, int64 as stamped)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("timeline: needs a CUDA GPU")
@@ -146,6 +173,8 @@ def main(argv=None) -> int:
     print(table)
     if args.out:
         Path(args.out).write_text(table + "\n")
+    if args.raw:
+        torch.save({M: result[4] for M, result in results.items()}, args.raw)
     return 0
 
 

@@ -402,14 +402,15 @@ def test_gluon_switch_off_runs_the_tl_w13(layer, workspace, monkeypatch):
 
 @pytest.mark.parametrize("stages", [
     0,  # the tl W13 (what runs without Gluon): its stamps, and program 0's sort
-    pytest.param(4, marks=pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")),  # the Gluon W13
+    # the Gluon W13 at M = 8's table ring depth: the stamped build whose registers let W2 beside it (run 81)
+    pytest.param(3, marks=pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")),
 ])
 def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages, monkeypatch):
     """benchmarks/timeline.py's stamps (kernels/timeline.py): the op gives the same bits with them,
-    every program stamps every point, in order, and no W2 program gets past the PDL wait before the
-    last W13 program has stamped its end. A wrongly sized timeline is refused."""
+    every program stamps every point, in order, and the SM it ran on; no W2 program gets past the
+    PDL wait before the last W13 program has stamped its end. A wrongly sized timeline is refused."""
     from moe_grouped_decode.kernels import cuda_capability, grouped
-    from moe_grouped_decode.kernels.timeline import Timeline
+    from moe_grouped_decode.kernels.timeline import W2_STAMPS, W13_STAMPS, Timeline
 
     monkeypatch.delenv(GLUON_W13_ENV, raising=False)
     weights, _ = layer
@@ -429,7 +430,13 @@ def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages,
     torch.cuda.synchronize()
     assert not torch.isnan(outs[0]).any()
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
-    w13, w2 = timeline.w13.cpu(), timeline.w2.cpu()
+    w13_sm, w2_sm = W13_STAMPS.index("sm"), W2_STAMPS.index("sm")
+    w13, w2 = timeline.w13[:, :w13_sm].cpu(), timeline.w2[..., :w2_sm].cpu()
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    for sm in (timeline.w13[:, w13_sm], timeline.w2[..., w2_sm]):  # alloc_timeline's -1 where no program stamped
+        assert ((sm >= 0) & (sm < sms)).all()
+    # a grid this size (2,000 W13 programs, 400 W2) lands on more than one SM
+    assert len(timeline.w13[:, w13_sm].unique()) > 1 and len(timeline.w2[..., w2_sm].unique()) > 1
     rows = M * TOP_K
     assert (w13 > 0).all() and (w13[:, 1] >= w13[:, 0]).all()
     tiles = w2[:rows]  # the (row, tile) programs; a further row is the compaction's (Gluon W13)

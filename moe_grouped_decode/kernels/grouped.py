@@ -67,7 +67,8 @@ from .awq_tiles import silu_mul
 from .combine import combine_rows, combine_tile
 from .configs import GroupedConfig
 from .pdl import launch_options, let_next_launch_start, pdl_supported, wait_for_previous_launch
-from .timeline import W2_STAMP_COUNT, W2_STAMPS, W13_STAMP_COUNT, W13_STAMPS, Timeline, now
+from .timeline import (W2_SM_SLOT, W2_STAMP_COUNT, W2_STAMPS, W13_SM_SLOT, W13_STAMP_COUNT, W13_STAMPS, Timeline, now,
+                       sm_id)
 
 _PAD_KEY = tl.constexpr(1 << 62)  # sort key of padding rows: past every (expert, row) key
 
@@ -134,6 +135,7 @@ def _w13_kernel(
     stamps = timeline_ptr + pid * W13_STAMP_COUNT
     if TIMELINE:
         tl.store(stamps, now())
+        tl.store(stamps + W13_SM_SLOT, sm_id())
     if pid == 0:
         _compact_rows(ids_ptr, rows, sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr,
                       live_count_ptr, R_PAD)
@@ -238,6 +240,7 @@ def _w2_rows_kernel(
     stamps = timeline_ptr + (row * tl.num_programs(1) + tile) * W2_STAMP_COUNT
     if TIMELINE:
         tl.store(stamps, now())
+        tl.store(stamps + W2_SM_SLOT, sm_id())
     if COMPACT:
         if row == rows:
             if tile == 0:
@@ -363,11 +366,11 @@ def _grids(rows: int, K: int, N: int, config: GroupedConfig, ring: bool) -> Tupl
 def alloc_timeline(num_tokens: int, top_k: int, hidden_size: int, intermediate_size: int, config: GroupedConfig,
                    device: torch.device) -> Timeline:
     """Stamp buffers (kernels/timeline.py) for one grouped call of ``num_tokens`` tokens under the
-    fitted ``config``, zeroed (a program that never stamps leaves 0)."""
+    fitted ``config``, filled with -1 (a program that never stamps leaves it: no time and no SM)."""
     w13_programs, w2_grid = _grids(num_tokens * top_k, hidden_size, intermediate_size, config,
                                    uses_w13_ring(config, cuda_capability(device)))
-    return Timeline(torch.zeros(w13_programs, len(W13_STAMPS), dtype=torch.int64, device=device),
-                    torch.zeros(*w2_grid, len(W2_STAMPS), dtype=torch.int64, device=device))
+    return Timeline(torch.full((w13_programs, len(W13_STAMPS)), -1, dtype=torch.int64, device=device),
+                    torch.full((*w2_grid, len(W2_STAMPS)), -1, dtype=torch.int64, device=device))
 
 
 def grouped_decode(

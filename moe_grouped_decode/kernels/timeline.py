@@ -4,11 +4,13 @@ With the ``TIMELINE`` constexpr (off in every launch the op makes for its caller
 grouped kernels store ``%globaltimer`` (nanoseconds, one clock for the whole GPU) at fixed
 points of every program, one int64 per stamp::
 
-    W13 program p (either W13 kernel):   w13[p] = (start, end)
+    W13 program p (either W13 kernel):   w13[p] = (start, end, SM)
     W2 program (row, tile):               w2[row, tile] = (start, after the PDL wait,
-                                          activations written, row output stored, end)
+                                          activations written, row output stored, end, SM)
 
-The W2 grid's compaction row (the Gluon W13 runs) stamps its start and end only. Timer reads
+SM is the number of the SM the program ran on (``%smid``, read at its start), so the tool can
+say how the programs spread over the SMs. The W2 grid's compaction row (the Gluon W13 runs)
+stamps its start, end and SM only. Timer reads
 are ordinary instructions, so a stamp can land a few instructions from where it is written,
 and the timer ticks every 32 ns on the H200 (explorations run 35); the tool reports medians
 over layers and programs, not single stamps.
@@ -23,12 +25,15 @@ import triton
 import triton.language as tl
 
 GLOBALTIMER_PTX = tl.constexpr("mov.u64 $0, %globaltimer;")
+SMID_PTX = tl.constexpr("mov.u32 $0, %smid;")
 
-W13_STAMPS = ("start", "end")
-W2_STAMPS = ("start", "after wait", "activations", "row stored", "end")
-# int64s per program in the stamp buffers (the kernels index them with these)
+W13_STAMPS = ("start", "end", "sm")
+W2_STAMPS = ("start", "after wait", "activations", "row stored", "end", "sm")
+# int64s per program in the stamp buffers, and the SM's slot (the kernels index them with these)
 W13_STAMP_COUNT = tl.constexpr(len(W13_STAMPS))
 W2_STAMP_COUNT = tl.constexpr(len(W2_STAMPS))
+W13_SM_SLOT = tl.constexpr(W13_STAMPS.index("sm"))
+W2_SM_SLOT = tl.constexpr(W2_STAMPS.index("sm"))
 
 
 @triton.jit
@@ -37,10 +42,16 @@ def now():
     return tl.inline_asm_elementwise(GLOBALTIMER_PTX, "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
+@triton.jit
+def sm_id():
+    """The SM this program runs on, as an int64 scalar."""
+    return tl.inline_asm_elementwise(SMID_PTX, "=r", [], dtype=tl.int32, is_pure=True, pack=1).to(tl.int64)
+
+
 @dataclass
 class Timeline:
-    """The stamps of one grouped call: int64 ``w13`` [W13 programs, 2] and ``w2`` [W2 grid rows,
-    W2 column tiles, 5], both on the op's device (``grouped.alloc_timeline`` sizes them)."""
+    """The stamps of one grouped call: int64 ``w13`` [W13 programs, 3] and ``w2`` [W2 grid rows,
+    W2 column tiles, 6], both on the op's device (``grouped.alloc_timeline`` sizes them)."""
 
     w13: torch.Tensor
     w2: torch.Tensor

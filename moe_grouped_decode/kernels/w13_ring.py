@@ -33,7 +33,7 @@ except ImportError:  # a Triton without Gluon: the tl kernel serves every config
     AVAILABLE = False
 
 from .awq_mma import chunk_constraints, chunk_ptx
-from .timeline import GLOBALTIMER_PTX, W13_STAMP_COUNT
+from .timeline import GLOBALTIMER_PTX, SMID_PTX, W13_SM_SLOT, W13_STAMP_COUNT
 
 if AVAILABLE:
 
@@ -41,6 +41,11 @@ if AVAILABLE:
     def _now():
         """kernels.timeline.now, in Gluon."""
         return gl.inline_asm_elementwise(GLOBALTIMER_PTX, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _sm_id():
+        """kernels.timeline.sm_id, in Gluon."""
+        return gl.inline_asm_elementwise(SMID_PTX, "=r", [], dtype=gl.int32, is_pure=True, pack=1).to(gl.int64)
 
     @gluon.jit
     def w13_ring_kernel(
@@ -61,6 +66,7 @@ if AVAILABLE:
         stamps = timeline_ptr + pid * W13_STAMP_COUNT
         if TIMELINE:
             gl.store(stamps, _now())
+            gl.store(stamps + W13_SM_SLOT, _sm_id())
         if pid == 0:
             if ARRIVALS_PAD > 0:
                 flat: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])

@@ -27,7 +27,7 @@ Gluon only (no interpreter): ``grouped.uses_w2_ring`` falls back to the ``tl`` W
 """
 
 from .awq_mma import chunk_constraints, chunk_ptx
-from .timeline import W2_STAMP_COUNT
+from .timeline import W2_SM_SLOT, W2_STAMP_COUNT
 from .w13_ring import AVAILABLE  # Gluon importable (w13_ring tries); without it the tl W2 serves every config
 
 if AVAILABLE:
@@ -35,7 +35,7 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from .w13_ring import _now
+    from .w13_ring import _now, _sm_id
 
     @gluon.jit
     def _compact_rows(ids_ptr, rows, sorted_rows_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr,
@@ -104,6 +104,7 @@ if AVAILABLE:
         stamps = timeline_ptr + (row * gl.num_programs(1) + tile) * W2_STAMP_COUNT
         if TIMELINE:
             gl.store(stamps, _now())
+            gl.store(stamps + W2_SM_SLOT, _sm_id())
         if COMPACT:
             if row == rows:
                 if tile == 0:
