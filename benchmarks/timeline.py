@@ -70,22 +70,29 @@ def layer_points(w13, w2, next_w13, prev_w2, rows, w13_sm, w2_sm):
         "W2 program: start to end": per_program(0, 4),
         "W2: median program end": us(_median(tiles[..., 4])),
         "W2: last program end": us(tiles[..., 4].max()),
+        # the arrivals and the last arriver's combine, after the last row output is in memory
+        "W2: last program end after the last row output stored": float(tiles[..., 4].max() - tiles[..., 3].max()) / 1000.0,
         "next layer's first W13 start": us(next_w13[:, 0].min()),
-        **sm_points(w13_sm, w2_sm[:rows].flatten(), tiles[..., 4].flatten(), us),
+        **sm_points(w13_sm, w2_sm[:rows].flatten(), tiles.reshape(-1, tiles.shape[-1]), us),
     }
 
 
-def sm_points(w13_sm, w2_sm, w2_end, us):
-    """How the programs spread over the SMs: ``w2_sm`` and ``w2_end`` [W2 tile programs]."""
+def sm_points(w13_sm, w2_sm, w2, us):
+    """How the programs spread over the SMs, and what it does to W2's programs: ``w2_sm`` [W2 tile
+    programs] and ``w2`` [W2 tile programs, 5] their time stamps (ns)."""
     on_sm = torch.bincount(w2_sm.long())
     busy = on_sm[w2_sm.long()]  # W2 tile programs on each program's SM
+    busiest, least = busy == busy.max(), busy == busy.min()
+    mma = w2[:, 3] - w2[:, 2]  # activations written to row output stored
     return {
         "W13: SMs with a program": len(w13_sm.unique()),
         "W2: SMs with a tile program": len(w2_sm.unique()),
         "W2: tile programs on the busiest SM": busy.max().item(),
         "W2: tile programs on the least busy SM with one": busy.min().item(),
-        "W2: median end of the programs on the busiest SMs": us(_median(w2_end[busy == busy.max()])),
-        "W2: median end of the programs on the least busy SMs": us(_median(w2_end[busy == busy.min()])),
+        "W2 program on the busiest SMs: activations to row output stored": _median(mma[busiest]) / 1000.0,
+        "W2 program on the least busy SMs: activations to row output stored": _median(mma[least]) / 1000.0,
+        "W2: median end of the programs on the busiest SMs": us(_median(w2[busiest, 4])),
+        "W2: median end of the programs on the least busy SMs": us(_median(w2[least, 4])),
     }
 
 

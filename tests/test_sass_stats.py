@@ -181,3 +181,42 @@ def test_timeline_says_where_w2_may_start(monkeypatch):
         "yes, the largest (72, 72 registers)"
     monkeypatch.setattr(timeline, "cuda_capability", lambda device: (8, 0))
     assert timeline.w2_beside_w13([kernel(75, 1, 6656), w2], driver).startswith("n/a")
+
+
+def test_timeline_sm_rows(monkeypatch):
+    """benchmarks/timeline.py's SM rows, on stamps made up so every row has one right answer: SM 5
+    holds three W2 tile programs, SM 9 one; the programs on the busiest SM take 2 us from
+    activations to row output, the lone one 1 us, and the layer's last program ends 1 us after
+    the last row output is stored (a program that stored earlier ends last: the last arriver)."""
+    import importlib.util
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("timeline_tool", ROOT / "benchmarks" / "timeline.py")
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+
+    ns = lambda *us: [1000.0 * u for u in us]  # noqa: E731
+    # (start, after wait, activations, row stored, end) per program, us
+    w2 = torch.tensor([ns(0, 1, 2, 4, 5), ns(0, 1, 2, 4, 6), ns(0, 1, 3, 5, 5.5), ns(0, 1, 2, 3, 4)])
+    w2_sm = torch.tensor([5, 5, 5, 9])
+    w13_sm = torch.tensor([0, 1, 2, 1])
+    rows = timeline.sm_points(w13_sm, w2_sm, w2, lambda t: float(t) / 1000.0)
+    assert rows == {
+        "W13: SMs with a program": 3,
+        "W2: SMs with a tile program": 2,
+        "W2: tile programs on the busiest SM": 3,
+        "W2: tile programs on the least busy SM with one": 1,
+        "W2 program on the busiest SMs: activations to row output stored": 2.0,
+        "W2 program on the least busy SMs: activations to row output stored": 1.0,
+        "W2: median end of the programs on the busiest SMs": 5.5,
+        "W2: median end of the programs on the least busy SMs": 4.0,
+    }
+    # one layer of 4 routed rows, one W2 tile each; W13 program 0 and four tile programs
+    w13 = torch.tensor([ns(0, 0.5), ns(0, 1), ns(0, 1.5), ns(0.1, 1), ns(0.1, 1.2)])
+    prev_w2 = w2 - 10_000.0
+    points = timeline.layer_points(w13, w2.reshape(4, 1, 5), w13 + 20_000.0, prev_w2.reshape(4, 1, 5), 4,
+                                   torch.tensor([0, 1, 2, 1, 0]), w2_sm.reshape(4, 1))
+    assert points["W2: last program end after the last row output stored"] == 1.0  # ends at 6 us, last store at 5
+    assert points["W2: tile programs on the busiest SM"] == 3
