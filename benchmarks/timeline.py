@@ -71,7 +71,8 @@ def layer_points(w13, w2, next_w13, prev_w2, rows, w13_sm, w2_sm):
         "W2: median program end": us(_median(tiles[..., 4])),
         "W2: last program end": us(tiles[..., 4].max()),
         # the arrivals and the last arriver's combine, after the last row output is in memory
-        "W2: last program end after the last row output stored": float(tiles[..., 4].max() - tiles[..., 3].max()) / 1000.0,
+        "W2: last program end after the last row output stored":
+            float(tiles[..., 4].max() - tiles[..., 3].max()) / 1000.0,
         "next layer's first W13 start": us(next_w13[:, 0].min()),
         **sm_points(w13_sm, w2_sm[:rows].flatten(), tiles.reshape(-1, tiles.shape[-1]), us),
     }
