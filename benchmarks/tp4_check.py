@@ -9,10 +9,12 @@ replay rotating ``--layers`` layers of distinct weights.
 
 Modes:
   (default)      one process per GPU over NCCL; needs 4 GPUs (NVLink multicast off)
+  --procs 2      the same over 2 GPUs, each process holding two of the four rank shards
+                 (the NCCL path where only two GPUs are lent; its all-reduce is over 2 GPUs)
   --single-gpu   one GPU computes the four rank shards in turn and sums them on the
                  device (correctness of the sharded math; no all-reduce timing)
 
-  PYTHONPATH=. python benchmarks/tp4_check.py [--single-gpu] [--out DIR]
+  PYTHONPATH=. python benchmarks/tp4_check.py [--single-gpu | --procs 2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from moe_grouped_decode.awq import slice_tp, synthetic_moe_weights  # noqa: E402
 from moe_grouped_decode.ops import alloc_workspace, error_stats, reference_moe  # noqa: E402
 from moe_grouped_decode.ops.cuda import graph_replay_us  # noqa: E402
 
-WORLD = 4
+WORLD = 4  # the tensor-parallel degree: four rank shards, over --procs processes
 E, TOP_K, K, FULL_N, G = 512, 10, 2560, 640, 32
 SHARD_N = FULL_N // WORLD
 TOKENS = (2, 4, 8)
@@ -105,29 +107,33 @@ def single_gpu(args) -> dict:
 
 
 def _worker(rank: int, args, result_path: str) -> None:
+    """Process ``rank`` of ``args.procs``: GPU ``rank``, rank shards ``rank * per .. rank * per + per - 1``."""
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=device)
+    dist.init_process_group("nccl", rank=rank, world_size=args.procs, device_id=device)
+    per = WORLD // args.procs
+    my_shards = range(rank * per, rank * per + per)
     workspace = alloc_workspace(max(TOKENS), TOP_K, K, SHARD_N, device)
     rows, timings = [], []
     for dtype_name, dtype in DTYPES.items():
         full = full_checkpoint(dtype, device)
-        shard = slice_tp(full, rank, WORLD)
+        shards = [slice_tp(full, s, WORLD) for s in my_shards]
         full_cpu = full.to("cpu") if rank == 0 else None
         del full
         for M in TOKENS:
             x, tw, ids = routing(M, seed=M)
-            out = grouped(x.to(dtype).to(device), tw.to(device), ids.to(device), shard, workspace)
-            gathered = [torch.empty_like(out) for _ in range(WORLD)] if rank == 0 else None
-            dist.gather(out, gathered, dst=0)  # the reference check sums in float32 on rank 0
-            summed = out.clone()
-            dist.all_reduce(summed)  # what the model does
+            outs = torch.stack([grouped(x.to(dtype).to(device), tw.to(device), ids.to(device), shard, workspace)
+                                for shard in shards])
+            gathered = [torch.empty_like(outs) for _ in range(args.procs)] if rank == 0 else None
+            dist.gather(outs, gathered, dst=0)  # the reference check sums all four in float32 on rank 0
+            summed = outs.float().sum(0).to(dtype)  # this process's shards, then across processes
+            dist.all_reduce(summed)  # what the model does (with one shard per process)
             if rank == 0:
-                row = check_rows(gathered, full_cpu, x.to(dtype), tw, ids, dtype_name, M)
+                row = check_rows(list(torch.cat(gathered)), full_cpu, x.to(dtype), tw, ids, dtype_name, M)
                 allreduce_stats = error_stats(summed, reference_moe(x.to(dtype), tw, ids, *full_cpu.op_args()))
                 row["allreduce_max_abs"] = allreduce_stats.max_abs
                 row["allreduce_max_ulp"] = allreduce_stats.max_ulp
@@ -135,7 +141,7 @@ def _worker(rank: int, args, result_path: str) -> None:
                 print(f"[tp4] {dtype_name} M={M} max_abs={row['max_abs']:.3g} ulp={row['max_ulp']} "
                       f"(nccl sum: max_abs={allreduce_stats.max_abs:.3g} ulp={allreduce_stats.max_ulp}) "
                       f"{'ok' if row['ok'] else 'FAIL'}", flush=True)
-    layers = timing_layers(torch.float16, device, args.layers, rank)
+    layers = timing_layers(torch.float16, device, args.layers, my_shards[0])
     for M in TOKENS:
         inputs = [routing(M, seed=100 * M + layer) for layer in range(args.layers)]
         inputs = [(x.half().to(device), tw.to(device), ids.to(device)) for x, tw, ids in inputs]
@@ -147,7 +153,8 @@ def _worker(rank: int, args, result_path: str) -> None:
             timings.append({"M": M, "rank_op_us": op_us, "allreduce_us": ar_us})
             print(f"[tp4] timing fp16 M={M}: per-rank op {op_us:.2f} us/layer, all-reduce {ar_us:.2f} us/layer", flush=True)
     if rank == 0:
-        Path(result_path).write_text(json.dumps({"mode": "4 processes, NCCL", "gpu": torch.cuda.get_device_name(),
+        mode = f"{args.procs} processes, NCCL" + (f", {per} rank shards each" if per > 1 else "")
+        Path(result_path).write_text(json.dumps({"mode": mode, "gpu": torch.cuda.get_device_name(),
                                                  "rows": rows, "timings": timings}))
     dist.destroy_process_group()
 
@@ -167,6 +174,8 @@ def markdown(result: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--single-gpu", action="store_true", help="compute the four shards in turn on one GPU")
+    parser.add_argument("--procs", type=int, choices=(2, WORLD), default=WORLD,
+                        help="processes (GPUs) over NCCL, each holding WORLD / procs rank shards")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--out", default="artifacts/tp4")
     args = parser.parse_args()
@@ -179,13 +188,14 @@ def main() -> int:
     if args.single_gpu:
         result = single_gpu(args)
     else:
-        if torch.cuda.device_count() < WORLD:
-            print(f"tp4_check: needs {WORLD} GPUs, found {torch.cuda.device_count()} (use --single-gpu)", file=sys.stderr)
+        if torch.cuda.device_count() < args.procs:
+            print(f"tp4_check: needs {args.procs} GPUs, found {torch.cuda.device_count()} (use --single-gpu)",
+                  file=sys.stderr)
             return 2
         import torch.multiprocessing as mp
 
         result_path = str(out / "tp4_raw.json")
-        mp.spawn(_worker, args=(args, result_path), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(args, result_path), nprocs=args.procs, join=True)
         result = json.loads(Path(result_path).read_text())
     result["seconds"] = time.time() - t0
     (out / "tp4.json").write_text(json.dumps(result, indent=1))
