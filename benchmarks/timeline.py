@@ -117,19 +117,18 @@ def measure(M: int, layers, workspace, gen, fields=None):
                                          timeline=build_timeline)
         beside.append(w2_beside_w13(kernels, config))
     us = graph_replay_us(step, LAYERS)
+    raw = {"w13": torch.stack([t.w13 for t in timelines]).cpu(), "w2": torch.stack([t.w2 for t in timelines]).cpu()}
     # the stamps are ns since 1970 (~2^61): from a common base first, so doubles hold them exactly
-    base = min(t.w13[:, 0].min().item() for t in timelines)
-    w13 = [(t.w13[:, :W13_SM] - base).cpu().double() for t in timelines]
-    w2 = [(t.w2[..., :W2_SM] - base).cpu().double() for t in timelines]
-    w13_sm = [t.w13[:, W13_SM].cpu() for t in timelines]
-    w2_sm = [t.w2[..., W2_SM].cpu() for t in timelines]
+    base = raw["w13"][:, :, 0].min()
+    w13 = (raw["w13"][..., :W13_SM] - base).double()
+    w2 = (raw["w2"][..., :W2_SM] - base).double()
+    w13_sm, w2_sm = raw["w13"][..., W13_SM], raw["w2"][..., W2_SM]
     stamps = sorted(set(torch.cat([w.flatten() for w in w13[1:4]]).tolist()))
     grain_ns = min(b - a for a, b in zip(stamps, stamps[1:]) if b > a)
     points = [layer_points(w13[i], w2[i], w13[i + 1], w2[i - 1], M * k, w13_sm[i], w2_sm[i])
               for i in range(1, LAYERS - 1)]
     medians = {name: statistics.median(float(p[name]) for p in points) for name in points[0]}
     medians["W2 beside W13 by the carveout model: the op / with the stamps"] = " / ".join(beside)
-    raw = {"w13": torch.stack([t.w13.cpu() for t in timelines]), "w2": torch.stack([t.w2.cpu() for t in timelines])}
     return us, config, grain_ns, medians, raw
 
 

@@ -32,7 +32,7 @@ if [ -n "$VARIANTS" ]; then
   timeout 150 python3 benchmarks/launch_variants.py all "$VARIANTS" | tee "$OUT/launch_variants.md" || status=1
 fi
 if [ -n "$TIMELINE" ]; then
-  timeout 120 python3 benchmarks/timeline.py "$TIMELINE" --out "$OUT/timeline.md" --raw "$OUT/timeline_raw.pt" || status=1
+  timeout 120 python3 benchmarks/timeline.py "$TIMELINE" --out "$OUT/timeline.md" || status=1
 fi
 # the opt-in autotune path, end to end, for one token count (cache in a scratch dir)
 MOE_GROUPED_DECODE_CACHE=/tmp/moe_gd_tune VLLM_AWQ_MOE_GROUPED_DECODE_TUNE=1 timeout 90 python3 - <<'PY' || status=1
