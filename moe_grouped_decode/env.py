@@ -1,27 +1,48 @@
 """Environment switches, parsed in one place.
 
-``VLLM_AWQ_MOE_GROUPED_DECODE``
+``MOE_GROUPED_DECODE``
     unset or ``1``: the grouped route is on wherever it can run. ``0``: roll back
     to the dense route everywhere (read before startup). An explicit ``1`` where
     the kernels cannot run is an error at startup (fail closed), while unset means
     "on where possible, silently dense elsewhere".
-``VLLM_AWQ_MOE_GROUPED_DECODE_TUNE``
+``MOE_GROUPED_DECODE_TUNE``
     ``1``: opt-in autotune of small shapes at warmup. Default off.
-``VLLM_AWQ_MOE_GROUPED_DECODE_GLUON``
-    unset or ``1``: the grouped op's W13 runs as the Gluon kernel (``kernels/w13_ring.py``)
-    where Gluon runs, and so does W2 where the config asks (``kernels/w2_ring.py``, M = 8's
-    table entry). ``0``: the ``tl`` kernels everywhere, with their own (v8) table: the
-    rollback should Triton's experimental Gluon misbehave.
+``MOE_GROUPED_DECODE_WINDOW``
+    ``LO..HI`` (e.g. ``2..8``, the seeds' window): the token counts the grouped route serves on
+    the shipped contracts (qwen3.8-tp4), over the measured route table (``routes.json``); unset:
+    the table's. Contracts given in MOE_GROUPED_DECODE_CONTRACTS carry windows of their own.
+``MOE_GROUPED_DECODE_GLUON``
+    unset or ``1``: the grouped op's W13 runs as the Gluon kernel where Gluon runs,
+    and so does W2 where the config asks. ``0``: the ``tl`` kernels everywhere, with
+    their own table: the rollback should Triton's experimental Gluon misbehave.
+
+Each switch also answers to its older name, ``VLLM_AWQ_MOE_GROUPED_DECODE``,
+``VLLM_AWQ_MOE_GROUPED_DECODE_TUNE`` and ``VLLM_AWQ_MOE_GROUPED_DECODE_GLUON``.
+The new names carry no ``VLLM_`` prefix because vLLM warns about (and with
+``--fail-on-environ-validation`` rejects) every ``VLLM_*`` variable it does not
+know, and it has no public way to make a plugin's variables known. Both names
+set to values that mean the same is fine; set to values that disagree is an
+error naming both (which one wins would be a guess). An empty value counts as
+unset.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+from typing import Dict, Optional, Tuple
 
-GROUPED_DECODE_ENV = "VLLM_AWQ_MOE_GROUPED_DECODE"
-TUNE_ENV = "VLLM_AWQ_MOE_GROUPED_DECODE_TUNE"
-GLUON_W13_ENV = "VLLM_AWQ_MOE_GROUPED_DECODE_GLUON"
+GROUPED_DECODE_ENV = "MOE_GROUPED_DECODE"
+TUNE_ENV = "MOE_GROUPED_DECODE_TUNE"
+GLUON_W13_ENV = "MOE_GROUPED_DECODE_GLUON"
+
+# switch -> its older, VLLM_-prefixed name (still read)
+LEGACY_ENV_NAMES: Dict[str, str] = {
+    GROUPED_DECODE_ENV: "VLLM_AWQ_MOE_GROUPED_DECODE",
+    TUNE_ENV: "VLLM_AWQ_MOE_GROUPED_DECODE_TUNE",
+    GLUON_W13_ENV: "VLLM_AWQ_MOE_GROUPED_DECODE_GLUON",
+}
+SWITCH_ENVS: Tuple[str, ...] = tuple(LEGACY_ENV_NAMES)
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -37,16 +58,41 @@ class GroupedDecodeMode(enum.Enum):
         return self is not GroupedDecodeMode.OFF
 
 
-def _parse_bool(name: str, default: bool | None) -> bool | None:
+def _raw(name: str) -> Optional[str]:
     raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
+    return None if raw is None or raw.strip() == "" else raw
+
+
+def _to_bool(name: str, raw: str) -> bool:
     value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
     raise ValueError(f"{name}={raw!r} is not understood: use 1 (on) or 0 (off), or leave it unset")
+
+
+def switch_setting(name: str) -> Tuple[Optional[str], Optional[bool]]:
+    """(the variable that sets switch ``name``, its value), or (None, None) when unset.
+
+    ``name`` is one of :data:`SWITCH_ENVS`; its legacy name counts too. Both set
+    and disagreeing: ValueError naming both.
+    """
+    legacy = LEGACY_ENV_NAMES[name]
+    settings = [(n, _to_bool(n, raw)) for n in (name, legacy) if (raw := _raw(n)) is not None]
+    if not settings:
+        return None, None
+    if len(settings) == 2 and settings[0][1] != settings[1][1]:
+        raise ValueError(
+            f"{name}={os.environ[name]!r} and its old name {legacy}={os.environ[legacy]!r} disagree: "
+            f"set only {name}"
+        )
+    return settings[0]
+
+
+def _parse_bool(name: str, default: bool | None) -> bool | None:
+    value = switch_setting(name)[1]
+    return default if value is None else value
 
 
 def grouped_decode_mode() -> GroupedDecodeMode:
@@ -62,3 +108,31 @@ def tune_enabled() -> bool:
 
 def gluon_w13_enabled() -> bool:
     return bool(_parse_bool(GLUON_W13_ENV, True))
+
+
+def legacy_names_in_use() -> Tuple[str, ...]:
+    """The old ``VLLM_``-prefixed switch names set in this environment."""
+    return tuple(legacy for legacy in LEGACY_ENV_NAMES.values() if _raw(legacy) is not None)
+
+
+def without_switches(environ: Dict[str, str], switches: Tuple[str, ...] = SWITCH_ENVS) -> Dict[str, str]:
+    """``environ`` minus ``switches`` under both names (for a child process that is given its own)."""
+    names = set(switches) | {LEGACY_ENV_NAMES[s] for s in switches}
+    return {key: value for key, value in environ.items() if key not in names}
+
+
+WINDOW_ENV = "MOE_GROUPED_DECODE_WINDOW"
+
+
+def grouped_window_setting() -> Optional[Tuple[int, int]]:
+    """MOE_GROUPED_DECODE_WINDOW as (lo, hi), or None when unset."""
+    raw = _raw(WINDOW_ENV)
+    if raw is None:
+        return None
+    try:
+        lo, hi = (int(part) for part in raw.strip().split(".."))
+    except ValueError:
+        raise ValueError(f"{WINDOW_ENV}={raw!r} is not understood: use LO..HI, e.g. 2..8") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{WINDOW_ENV}={raw!r}: the window must satisfy 1 <= LO <= HI")
+    return lo, hi

@@ -9,7 +9,7 @@ from moe_grouped_decode.checkpoints import TINY, hf_config
 from moe_grouped_decode.compile_plugin.contracts_env import CONTRACTS_ENV, contracts_from_json, contracts_to_json, register_env_contracts
 from moe_grouped_decode.compile_plugin.startup import check_switch, kernels_unavailable_reason
 from moe_grouped_decode.contract import QWEN38_TP4, contract_registered, registered_contracts, unregister_contract
-from moe_grouped_decode.env import GROUPED_DECODE_ENV
+from moe_grouped_decode.env import GROUPED_DECODE_ENV, LEGACY_ENV_NAMES
 
 pytestmark = pytest.mark.vllm  # imports vllm (no engine is started)
 
@@ -81,9 +81,17 @@ def test_switch(monkeypatch, switch, device, enabled):
     assert check_switch(device) is enabled
 
 
-def test_explicit_on_fails_closed_naming_what_is_missing(monkeypatch):
-    monkeypatch.setenv(GROUPED_DECODE_ENV, "1")
-    with pytest.raises(RuntimeError, match=r"VLLM_AWQ_MOE_GROUPED_DECODE=1 .* no implementation .* 'xpu'"):
+@pytest.fixture(autouse=True)
+def no_switch_set(monkeypatch):
+    for name in (GROUPED_DECODE_ENV, LEGACY_ENV_NAMES[GROUPED_DECODE_ENV]):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("name", [GROUPED_DECODE_ENV, LEGACY_ENV_NAMES[GROUPED_DECODE_ENV]])
+def test_explicit_on_fails_closed_naming_what_is_missing(monkeypatch, name):
+    monkeypatch.setenv(name, "1")
+    # the message names the variable the user set, old name or new
+    with pytest.raises(RuntimeError, match=rf"^{name}=1 .* no implementation .* 'xpu'.* Unset {name} "):
         check_switch("xpu")
     assert kernels_unavailable_reason("cpu") is None  # the torch implementations run on any CPU
 
@@ -95,7 +103,7 @@ def test_pre_ampere_gpu_is_named_and_fails_closed(monkeypatch):
     monkeypatch.delenv(GROUPED_DECODE_ENV, raising=False)
     assert check_switch("cuda", (7, 0)) is False  # unset: silently dense
     monkeypatch.setenv(GROUPED_DECODE_ENV, "1")
-    with pytest.raises(RuntimeError, match=r"VLLM_AWQ_MOE_GROUPED_DECODE=1 .* compute capability 8.0 .* 7.0"):
+    with pytest.raises(RuntimeError, match=r"MOE_GROUPED_DECODE=1 .* compute capability 8.0 .* 7.0"):
         check_switch("cuda", (7, 0))
 
 

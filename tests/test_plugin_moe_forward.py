@@ -67,6 +67,18 @@ v9 = copy_.default(arg0, v7)""",
     assert job["rewrites"] == {"awq_moe_dense": 0, "moe_forward": 1, "graphs": 3}
 
 
+def test_one_info_line_for_the_whole_compile(job):
+    # three graphs compiled (one per range), one of them changed: one line says what and why;
+    # the lowering's per-graph "rewrote 0 of 0" lines (nothing to do on this graph shape) are gone
+    compile_lines = [line for line in job["info_lines"] if "compile pass" in line or "GroupedDecodePass" in line]
+    assert compile_lines == [
+        "moe_grouped_decode: compile pass swapped 1 vllm::moe_forward call(s) for the grouped route in a graph "
+        "for 2..8 tokens (model.layers.0.mlp.experts): layers admitted under contract 'moe-forward-test' "
+        "(grouped route for 2..8 tokens); graphs for other token counts keep vLLM's op. "
+        "Later graphs are logged at DEBUG."
+    ]
+
+
 @pytest.mark.parametrize(
     "num_tokens,expert_op",
     [

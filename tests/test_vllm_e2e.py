@@ -56,6 +56,17 @@ def test_tiny_model_same_tokens_with_plugin_on_and_rolled_back(checkpoints):
     assert off["rewrites"] == {}
     assert [len(t) for t in on["token_ids"]] == [4, 5, 6, 7]
     assert on["token_ids"] == off["token_ids"]
+    # one line says what the compile pass did and why; the lowering's own per-graph line is not shown
+    assert compile_pass_lines(on) == [
+        "moe_grouped_decode: compile pass rewrote 2 of 2 awq_moe_dense calls (grouped 0, routed 2) in the graph: "
+        "layers admitted under contract 'tiny-test' (grouped route for 2..8 tokens); the routed op picks the "
+        "grouped or the dense op from the token count at run time. Later graphs are logged at DEBUG."
+    ]
+    assert compile_pass_lines(off) == []
+
+
+def compile_pass_lines(result: dict) -> list:
+    return [line for line in result["plugin_log"] if "compile pass" in line or "GroupedDecodePass" in line]
 
 
 def test_unmatched_model_is_untouched(checkpoints):
@@ -65,6 +76,7 @@ def test_unmatched_model_is_untouched(checkpoints):
     for decision in result["layers"].values():
         assert "G=64 (contract 32)" in decision["reason"], decision
     assert result["rewrites"] == {}
+    assert compile_pass_lines(result) == []
     rolled_back = run_generate(checkpoints["unmatched"], "0", requests=3, min_tokens=3)
     assert rolled_back["token_ids"] == result["token_ids"]
 

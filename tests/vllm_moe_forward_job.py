@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 
@@ -106,9 +107,19 @@ def main() -> int:
     from moe_grouped_decode.contract import ShapeContract, register_contract
     from moe_grouped_decode.ops import reference_moe
     from vllm.compilation.backends import VllmBackend
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    from moe_grouped_decode.compile_plugin.vllm_compat import fused_moe_factory
 
     register()
+    # the package's log lines at INFO and above (the plugin routes them to vLLM's handlers)
+    info_lines = []
+
+    class _Recorder(logging.Handler):
+        def emit(self, record):
+            info_lines.append(record.getMessage())
+
+    recorder = _Recorder(level=logging.INFO)
+    logging.getLogger("moe_grouped_decode").addHandler(recorder)
     _shims = declare_cuda_only_ops()  # noqa: F841  (the library must stay alive)
     E, k, K, N, G = 8, 2, 128, 64, 32
     register_contract(ShapeContract("moe-forward-test", E, k, K, N, G, min_tokens=2, max_tokens=8))
@@ -126,7 +137,7 @@ def main() -> int:
         {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True, "version": "gemm"}
     )
     with set_current_vllm_config(vllm_config):
-        runner = FusedMoEFactory(
+        runner = fused_moe_factory()(
             num_experts=E, top_k=k, hidden_size=K, intermediate_size=N, params_dtype=torch.float16,
             renormalize=True, quant_config=quant_config, prefix=LAYER_NAME,
         )
@@ -169,7 +180,7 @@ def main() -> int:
                     again = compiled(x, logits)
             topk_weights, topk_ids = torch.softmax(logits.float(), -1).topk(k, dim=-1)
             topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
-            reference = reference_moe(x, topk_weights, topk_ids, *weights.op_args()) + x.double()
+            reference = reference_moe(x, topk_weights, topk_ids, weights) + x.double()
             results[m] = {
                 "ops_run": seen,
                 "rerun_identical": bool(torch.equal(again, out)),
@@ -178,7 +189,9 @@ def main() -> int:
                 "reference_max_abs": reference.abs().max().item(),
                 "nan": bool(out.isnan().any()),
             }
+    logging.getLogger("moe_grouped_decode").removeHandler(recorder)
     print(RESULT_PREFIX + json.dumps({
+        "info_lines": info_lines,
         "graphs": graphs,
         "rewrites": dict(passes.REWRITES),
         "compile_ranges_endpoints": vllm_config.compilation_config.compile_ranges_endpoints,

@@ -3,7 +3,7 @@
 ``register`` is the ``vllm.general_plugins`` entry point. vLLM calls it in every
 process it starts (front end, engine core, workers), possibly more than once;
 it registers the environment's extra contracts, fails closed on an explicit
-``VLLM_AWQ_MOE_GROUPED_DECODE=1`` the platform cannot honour, registers the
+``MOE_GROUPED_DECODE=1`` the platform cannot honour, registers the
 quantization-config override that routes admitted AWQ MoE layers to the plugin's
 method, and defines the ops the CUDA-shape rewrite swaps in. It changes nothing
 for a model without AWQ MoE layers.
@@ -26,10 +26,12 @@ def register() -> None:
     import moe_grouped_decode  # noqa: F401  (registers the custom ops)
     from vllm.platforms import current_platform
 
+    from ..contract import apply_route_table
     from .contracts_env import register_env_contracts
-    from .startup import check_switch, device_capability
+    from .startup import check_switch, device_capability, device_name
 
     _log_with_vllm()
+    apply_route_table(device_name(current_platform))  # the grouped windows measured on this GPU
     register_env_contracts()
     # raises on an explicit =1 that cannot run here
     check_switch(current_platform.device_type, device_capability(current_platform))
@@ -56,3 +58,4 @@ def _log_with_vllm() -> None:
     ours.addHandler(_ToVllmLogger())
     ours.setLevel(envs.VLLM_LOGGING_LEVEL)
     ours.propagate = False
+

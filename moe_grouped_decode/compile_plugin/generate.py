@@ -8,7 +8,8 @@ fresh process (vLLM's engine state is per process)::
 The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
 plugin's rewrite counts can be read back, and with vLLM's and Inductor's
 compile caches off so every run compiles, i.e. runs the passes (a cache hit
-would skip them and report 0 rewrites). Request ``i`` asks for
+would skip them and report 0 rewrites); the result also carries the plugin's
+INFO log lines. Request ``i`` asks for
 ``min_tokens + i`` new tokens, so as requests finish the decode batch shrinks
 through every size from ``requests`` down to 1.
 """
@@ -17,21 +18,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
 
-from ..env import GROUPED_DECODE_ENV
+from ..env import GROUPED_DECODE_ENV, without_switches
 from .contracts_env import CONTRACTS_ENV, contracts_to_json
 
 RESULT_PREFIX = "MOE_GROUPED_DECODE_RESULT "
 
 
 def run_in_subprocess(model_dir, switch: str, requests: int, min_tokens: int, contracts=(), timeout_s: int = 600) -> dict:
-    """Run :func:`main` in a fresh process with ``VLLM_AWQ_MOE_GROUPED_DECODE=switch``
+    """Run :func:`main` in a fresh process with ``MOE_GROUPED_DECODE=switch``
     and ``contracts`` registered there; return its result (RuntimeError with the output tail on failure)."""
-    env = {**os.environ, GROUPED_DECODE_ENV: switch, CONTRACTS_ENV: contracts_to_json(contracts)}
+    # the switch's old name is dropped from the child's environment: it would disagree with ``switch``
+    env = {
+        **without_switches(dict(os.environ), (GROUPED_DECODE_ENV,)),
+        GROUPED_DECODE_ENV: switch,
+        CONTRACTS_ENV: contracts_to_json(contracts),
+    }
     command = [
         sys.executable, "-m", "moe_grouped_decode.compile_plugin.generate",
         "--model", str(model_dir), "--requests", str(requests), "--min-tokens", str(min_tokens),
@@ -48,6 +55,18 @@ def run_in_subprocess(model_dir, switch: str, requests: int, min_tokens: int, co
 def prompts(num_requests: int, prompt_len: int, vocab_size: int) -> list:
     """Deterministic, distinct prompt token ids (no tokenizer needed)."""
     return [[(7 * i + 3 * j + 1) % vocab_size for j in range(prompt_len)] for i in range(num_requests)]
+
+
+def _record_plugin_log() -> list:
+    """The package's log lines at INFO and above from now on (the engine runs in this process)."""
+    lines: list = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("moe_grouped_decode").addHandler(Recorder(level=logging.INFO))
+    return lines
 
 
 def main(argv=None) -> int:
@@ -71,6 +90,7 @@ def main(argv=None) -> int:
     from .passes import REWRITES
     from .startup import LAYER_DECISIONS
 
+    plugin_log = _record_plugin_log()
     with open(os.path.join(args.model, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
     started = time.perf_counter()
@@ -103,6 +123,7 @@ def main(argv=None) -> int:
             for name, decision in LAYER_DECISIONS.items()
         },
         "quantization": llm.llm_engine.vllm_config.model_config.quantization,
+        "plugin_log": plugin_log,
         "startup_s": round(startup_s, 2),
         "generate_s": round(generate_s, 3),
     }

@@ -19,13 +19,20 @@ next to whatever was there. vLLM's CUDA backend adds that entry to its
 ``PostGradPassManager`` (after its own passes, whose uuid then includes ours);
 vLLM's CPU build hands the same dict to ``torch.compile(backend="inductor",
 options=...)``, i.e. Inductor's post-grad hook.
+
+Logging: vLLM compiles many graphs per process (one per piece between
+attention splits and compile range), most with nothing for the plugin to do.
+The pass logs one INFO line per process, at the first graph it changes, saying
+what it changed and why; every graph's outcome is a DEBUG line, and the
+process-wide counts are in :data:`REWRITES`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
@@ -41,8 +48,11 @@ from ..contract import ShapeContract, admitted_window, contracts_fingerprint
 from ..lowerings import GroupedDecodePass
 from ..lowerings.grouped_decode import token_range_of
 from .startup import LAYER_DECISIONS
+from .vllm_compat import op_tags_for
 
 logger = logging.getLogger("moe_grouped_decode")
+# the lowerings' loggers (this one and any below it): quiet while the lowering runs inside vLLM
+_LOWERING_LOG = logging.getLogger("moe_grouped_decode.lowerings")
 
 PASS_KEY = "post_grad_custom_post_pass"
 # Process-wide rewrite counts (what the e2e tests and the demo read back):
@@ -67,8 +77,12 @@ _GROUPED_FORWARD_OPS = {
 def _forward_grouped(hidden_states, router_logits, shared_experts_input, input_ids, layer_name, hidden_dim_unpadded):
     """vLLM's ``_moe_forward`` body, with the layer's method allowed to take the grouped op."""
     layer = get_layer_from_name(_resolve_layer_name(layer_name))
-    method = layer.routed_experts.quant_method
-    with method.grouped_route():
+    grouped_route = getattr(layer.routed_experts.quant_method, "grouped_route", None)
+    if grouped_route is None:
+        # A layer with vLLM's own method can run a graph compiled for an admitted
+        # one: isomorphic graphs share compiled artifacts, the layer name being an input.
+        return layer._forward_impl(hidden_states, router_logits, shared_experts_input, input_ids)
+    with grouped_route():
         return layer._forward_impl(hidden_states, router_logits, shared_experts_input, input_ids)
 
 
@@ -77,10 +91,12 @@ def _define_grouped_forward_ops() -> None:
     for vllm_name, (name, vllm_function, vllm_fake) in _GROUPED_FORWARD_OPS.items():
         if hasattr(torch.ops.moe_grouped_decode, name):
             continue
-        vllm_schema = getattr(torch.ops.vllm, vllm_name).default._schema
+        vllm_op = getattr(torch.ops.vllm, vllm_name)
+        vllm_schema = vllm_op.default._schema
         mutated = [a.name for a in vllm_schema.arguments if a.alias_info is not None and a.alias_info.is_write]
         schema = torch.library.infer_schema(vllm_function, mutates_args=mutated)
-        _LIBRARY.define(name + schema, tags=(torch.Tag.needs_fixed_stride_order,))
+        # the same stride contract as vLLM's op (its tag changed between vLLM versions)
+        _LIBRARY.define(name + schema, tags=op_tags_for(vllm_op))
         _LIBRARY.impl(name, _forward_grouped, dispatch_key=current_platform.dispatch_key)
         _LIBRARY._register_fake(name, vllm_fake)
 
@@ -129,10 +145,15 @@ class MoeForwardGroupedPass:
 
     def __init__(self, token_range: Optional[TokenRange] = None) -> None:
         self.token_range = token_range
-        self.last_rewrites = 0
+        self.last_swapped: List[str] = []  # layer names of the calls swapped in the last graph
+        self.last_kept: List[str] = []  # "layer: reason" for the calls left as they were
+
+    @property
+    def last_rewrites(self) -> int:
+        return len(self.last_swapped)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        rewrites, kept = 0, []
+        swapped, kept = [], []
         for node in list(graph.nodes):
             op, args = _call_parts(node)
             if op is None:
@@ -146,14 +167,12 @@ class MoeForwardGroupedPass:
                 node.args = (_SWAPS[op], *node.args[1:])
             else:
                 node.target = _SWAPS[op]
-            rewrites += 1
-        self.last_rewrites = rewrites
-        if rewrites or kept:
-            logger.info(
-                "moe_grouped_decode: swapped %d vllm::moe_forward call(s) for the grouped route%s",
-                rewrites,
-                "; kept: " + " | ".join(kept) if kept else "",
-            )
+            swapped.append(str(layer_name))
+        self.last_swapped, self.last_kept = swapped, kept
+
+    def summary(self) -> str:
+        line = f"swapped {len(self.last_swapped)} vllm::moe_forward call(s)"
+        return line + ("; kept: " + " | ".join(self.last_kept) if self.last_kept else "")
 
     def _reason_to_keep(self, layer_name: Optional[str], hidden_states) -> Optional[str]:
         decision = LAYER_DECISIONS.get(layer_name)
@@ -197,12 +216,14 @@ class VllmGroupedDecodePass(InductorPass):
         lowering = self._lowerings.get(token_range)
         if lowering is None:
             lowering = self._lowerings[token_range] = GroupedDecodePass(token_range=token_range)
-        lowering(graph)
+        with _level_at_least(_LOWERING_LOG, logging.WARNING):  # it logs every graph; reported below
+            lowering(graph)
         forward_pass = MoeForwardGroupedPass(token_range)
         forward_pass(graph)
         REWRITES["awq_moe_dense"] += lowering.last_rewrites
         REWRITES["moe_forward"] += forward_pass.last_rewrites
         REWRITES["graphs"] += 1
+        _report(token_range, lowering, forward_pass)
 
     def uuid(self) -> str:
         previous = self.previous.uuid() if hasattr(self.previous, "uuid") else repr(self.previous)
@@ -215,6 +236,55 @@ class VllmGroupedDecodePass(InductorPass):
                 "previous": previous,
             }
         )
+
+
+@contextlib.contextmanager
+def _level_at_least(target: logging.Logger, level: int) -> Iterator[None]:
+    previous = target.level
+    target.setLevel(max(level, previous))
+    try:
+        yield
+    finally:
+        target.setLevel(previous)
+
+
+_announced = False  # the one INFO line of this process has been logged
+
+
+def _report(token_range: Optional[TokenRange], lowering: GroupedDecodePass, forward_pass: MoeForwardGroupedPass) -> None:
+    """A DEBUG line per graph; one INFO line per process, at the first graph the pass changed."""
+    global _announced
+    where = "the graph" if token_range is None else f"a graph for {token_range[0]}..{token_range[1]} tokens"
+    logger.debug(
+        "moe_grouped_decode: %s (graph %d of this process): lowering %s; %s",
+        where, REWRITES["graphs"], lowering.last_report.summary(), forward_pass.summary(),
+    )
+    if _announced or not (lowering.last_rewrites or forward_pass.last_rewrites):
+        return
+    _announced = True
+    why = _admitted_contracts()
+    if forward_pass.last_rewrites:
+        what = (f"swapped {forward_pass.last_rewrites} vllm::moe_forward call(s) for the grouped route in {where} "
+                f"({_names(forward_pass.last_swapped)}): layers admitted under {why}; graphs for other token "
+                "counts keep vLLM's op")
+    else:
+        report = lowering.last_report
+        what = f"{report.summary()} in {where}: layers admitted under {why}"
+        if report.routed:
+            what += "; the routed op picks the grouped or the dense op from the token count at run time"
+    logger.info("moe_grouped_decode: compile pass %s. Later graphs are logged at DEBUG.", what)
+
+
+def _admitted_contracts() -> str:
+    contracts = {d.admission.contract for d in LAYER_DECISIONS.values() if d.admission}
+    return ", ".join(
+        f"contract {c.name!r} (grouped route for {c.min_tokens}..{c.max_tokens} tokens)"
+        for c in sorted(contracts, key=lambda c: c.name)
+    ) or "no contract"
+
+
+def _names(names: List[str]) -> str:
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]}, {len(names)} layers"
 
 
 def install_passes(vllm_config: VllmConfig, contract: ShapeContract) -> VllmGroupedDecodePass:

@@ -23,12 +23,12 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig
-from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.platforms import current_platform
 
 from ..contract import Admission, admits
 from .moe_method import AwqMoeGroupedDecodeMethod, layer_shape, unservable_reason
 from .startup import LayerDecision, check_switch, device_capability, record_layer
+from .vllm_compat import is_layer_skipped_substring
 
 QUANTIZATION_NAME = "moe_grouped_decode_awq"
 # what a user may pass as --quantization and still get this config
@@ -70,9 +70,7 @@ class GroupedDecodeAwqConfig(AutoAWQConfig):
         return QUANTIZATION_NAME
 
     def get_quant_method(self, layer, prefix: str):
-        if isinstance(layer, RoutedExperts) and not is_layer_skipped(
-            prefix, self.modules_to_not_convert, match_mode="substring"
-        ):
+        if isinstance(layer, RoutedExperts) and not is_layer_skipped_substring(prefix, self.modules_to_not_convert):
             return self._moe_method(layer, prefix)
         return super().get_quant_method(layer, prefix)
 

@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..contract import Admission, LayerShape, admits
-from ..env import GROUPED_DECODE_ENV, GroupedDecodeMode, gluon_w13_enabled, grouped_decode_mode
+from ..env import GROUPED_DECODE_ENV, GroupedDecodeMode, gluon_w13_enabled, grouped_decode_mode, switch_setting
 from ..kernels import MIN_CUDA_CAPABILITY
 
 logger = logging.getLogger("moe_grouped_decode")
@@ -54,10 +54,21 @@ def device_capability(platform) -> Optional[Tuple[int, int]]:
     return None if capability is None else (capability.major, capability.minor)
 
 
+def device_name(platform) -> Optional[str]:
+    """The GPU's name as the route table keys it (vLLM's CUDA platform asks NVML, so this does not
+    initialize CUDA in the calling process); None off CUDA or where the platform cannot say."""
+    if platform.device_type != "cuda":
+        return None
+    try:
+        return platform.get_device_name()
+    except Exception:  # a platform without NVML: the route table's default GPU applies
+        return None
+
+
 def check_switch(device_type: str, capability: Optional[Tuple[int, int]] = None) -> bool:
     """Whether the grouped route is on for this process; fail closed on an explicit 1.
 
-    ``VLLM_AWQ_MOE_GROUPED_DECODE=0``: off. Unset: on where the kernels can run,
+    ``MOE_GROUPED_DECODE=0`` (or its old name ``VLLM_AWQ_MOE_GROUPED_DECODE``): off. Unset: on where the kernels can run,
     silently off elsewhere. ``=1`` where they cannot run: RuntimeError naming
     what is missing. ``capability``: the GPU's (major, minor), as vLLM's platform
     reports it without initializing CUDA (None where unknown).
@@ -70,9 +81,10 @@ def check_switch(device_type: str, capability: Optional[Tuple[int, int]] = None)
     if missing is None:
         return True
     if mode is GroupedDecodeMode.REQUIRED:
+        name = switch_setting(GROUPED_DECODE_ENV)[0]  # the name the user set, old or new
         raise RuntimeError(
-            f"{GROUPED_DECODE_ENV}=1 requires the grouped decode kernels, which cannot run on "
-            f"this {device_type} platform: {missing}. Unset {GROUPED_DECODE_ENV} to fall back "
+            f"{name}=1 requires the grouped decode kernels, which cannot run on "
+            f"this {device_type} platform: {missing}. Unset {name} to fall back "
             "to the dense route silently, or set it to 0 to roll back."
         )
     return False
@@ -152,22 +164,28 @@ def admitted_token_counts(shape: LayerShape, max_tokens: int) -> list:
     return [m for m in range(contract.min_tokens, min(contract.max_tokens, max_tokens) + 1) if admits(shape, m)]
 
 
-def warm_up_kernels(layer, method) -> None:
-    """Compile every grouped kernel variant an admitted token count needs, before graph capture.
+_warmed_up: set = set()  # (layer shape, device) already compiled in this process
 
-    Triton compiles a variant the first time a launch needs it; doing it here,
-    at weight-loading time, keeps compilation out of CUDA-graph capture. The
-    token counts come from ``admits`` (the same function the runtime asks).
-    Dense variants are compiled by vLLM's own warmup runs before capture. The
-    CPU implementation has nothing to compile.
+
+def warm_up_kernels(layer, method) -> None:
+    """Compile every kernel variant any token count will launch, before graph capture: the grouped
+    op at every count ``admits`` accepts (the same function the runtime asks), the prefill route
+    at the counts that cover all of its binaries up to the engine's limit. Triton compiles a
+    variant the first time a launch needs it; doing it here, at weight-loading time, keeps
+    compilation out of CUDA-graph capture and out of serving. Once per layer shape and device;
+    the CPU implementation has nothing to compile.
     """
     if layer.w13_qweight.device.type != "cuda":
         return
+    from ..awq import AwqMoeWeights
     from ..ops import cuda
 
     shape = method.shape
-    cuda.warmup(
-        layer.w13_qweight, layer.w13_scales, layer.w13_qzeros, layer.w2_qweight, layer.w2_scales, layer.w2_qzeros,
-        shape.group_size, shape.top_k, admitted_token_counts(shape, method.moe.max_num_tokens),
-        workspace=method.workspace,
-    )
+    key = (shape, str(layer.w13_qweight.device))
+    if key in _warmed_up:
+        return
+    _warmed_up.add(key)
+    weights = AwqMoeWeights(layer.w13_qweight, layer.w13_scales, layer.w13_qzeros, layer.w2_qweight, layer.w2_scales,
+                            layer.w2_qzeros, shape.group_size)
+    cuda.warmup(weights, shape.top_k, admitted_token_counts(shape, method.moe.max_num_tokens),
+                dense_token_counts=cuda.prefill_warmup_counts(method.moe.max_num_tokens), workspace=method.workspace)

