@@ -14,11 +14,10 @@ import sys
 
 import torch
 
-from moe_grouped_decode.bench import random_layer_inputs, rotated_layers
+from moe_grouped_decode.benchmarking.bench import random_layer_inputs, rotated_layers
 from moe_grouped_decode.contract import QWEN38_TP4 as c
-from moe_grouped_decode.kernels import configs, grouped
-from moe_grouped_decode.ops import alloc_workspace, workspace_views
-from moe_grouped_decode.ops.cuda import graph_replay_us
+from moe_grouped_decode.benchmarking.replay import graph_replay_us
+from moe_grouped_decode.ops import alloc_workspace, grouped_plan_for, launch_grouped
 
 LAYERS = 32
 
@@ -35,11 +34,9 @@ def main(token_counts, changes, dtypes, allow_new_bits=False, base_changes=None)
         gen = torch.Generator().manual_seed(0)
         for M in token_counts:
             ids, tws, xs = random_layer_inputs(M, c.top_k, c.num_experts, c.hidden_size, LAYERS, dtype, "cuda", gen)
-            base = dataclasses.replace(configs.grouped_config(configs.QWEN38_TP4_SHAPE, name, M, True),
-                                        **(base_changes or {}))
+            base = dataclasses.replace(grouped_plan_for(xs[0], ids[0], layers[0]).config, **(base_changes or {}))
             variants = {"base": base, "changed": dataclasses.replace(base, **changes)}
-            views = workspace_views(alloc_workspace(M, c.top_k, c.hidden_size, c.intermediate_size, "cuda"),
-                                    M * c.top_k, c.hidden_size, c.intermediate_size)
+            workspace = alloc_workspace(M, c.top_k, c.hidden_size, c.intermediate_size, "cuda")
             outs = [torch.empty_like(x) for x in xs]
             times = {key: [] for key in variants}
             bits = {}
@@ -49,7 +46,7 @@ def main(token_counts, changes, dtypes, allow_new_bits=False, base_changes=None)
                         out.fill_(float("nan"))
 
                     def step(i, config=config):
-                        grouped.grouped_decode(xs[i], tws[i], ids[i], *layers[i].op_args(), views, outs[i], config)
+                        launch_grouped(xs[i], tws[i], ids[i], layers[i], workspace, outs[i], config)
 
                     times[key].append(graph_replay_us(step, LAYERS))
                     bits[key] = torch.stack(outs).view(torch.int16).clone()
@@ -68,9 +65,11 @@ def _fields(text):
 
 
 def _value(text):
-    """A GroupedConfig field's value on the command line: an int, True or False."""
+    """A GroupedConfig field's value on the command line: an int, True or False, or a kernel name."""
     booleans = {"true": True, "false": False}
-    return booleans[text.lower()] if text.lower() in booleans else int(text)
+    if text.lower() in booleans:
+        return booleans[text.lower()]
+    return int(text) if text.lstrip("-").isdigit() else text
 
 
 if __name__ == "__main__":

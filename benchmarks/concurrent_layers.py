@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from moe_grouped_decode.bench import floor2, random_layer_inputs, rotated_layers
+from moe_grouped_decode.benchmarking.bench import random_layer_inputs, rotated_layers
+from moe_grouped_decode.benchmarking.read_floor import Compaction, floor2, floor_blocks
+from moe_grouped_decode.benchmarking.replay import graph_replay_us
 from moe_grouped_decode.contract import QWEN38_TP4 as c
-from moe_grouped_decode.kernels.read_floor import floor_blocks
-from moe_grouped_decode.ops import alloc_workspace, workspace_views
-from moe_grouped_decode.ops.cuda import graph_replay_us
+from moe_grouped_decode.ops import alloc_workspace
 
 LAYERS = 32
 E, k, K, N, G = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         base = None
         for S in stream_counts:
             workspaces = [alloc_workspace(M, k, K, N, device) for _ in range(S)]
-            views = [workspace_views(w, M * k, K, N) for w in workspaces]
+            compactions = [Compaction.alloc(M * k, device) for _ in range(S)]
             sinks = [torch.empty(max_active * blocks, dtype=torch.int32, device=device) for _ in range(S)]
             outs = {}  # layer -> its output in the graph's memory pool, written by the replays only
             streams = [None] + [torch.cuda.Stream() for _ in range(S - 1)]
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
                     xs[i], tws[i], ids[i], *layers[i].op_args(), workspaces[s])
 
             def floor2_step(i, s):
-                floor2(ids[i], views[s], sinks[s], max_active, layers[i].tensors())
+                floor2(ids[i], compactions[s], sinks[s], max_active, layers[i].tensors())
 
             grouped_us = graph_replay_us(over_streams(grouped, streams), LAYERS, args.reps)
             torch.cuda.synchronize()

@@ -1,8 +1,8 @@
 """Does the shape of W13's reads cost read rate, with no arithmetic at all? (CUDA only)
 
 W13's programs read a 64-column tile: 32 bytes of each 160-byte weight row, so every row is
-one 32-byte sector in a 128-byte line of its own (Nsight Compute, explorations run 37: 1.1
-sectors per L2 request). The read floor's programs read contiguous blocks (4 sectors per
+one 32-byte sector in a 128-byte line of its own (Nsight Compute: 1.1 sectors
+per L2 request). The read floor's programs read contiguous blocks (4 sectors per
 request). This reads exactly the same bytes (the packed W13 of 80 experts drawn from 512 by
 default, ``--active``; cold in L2) in several shapes and prints the achieved TB/s of each::
 
@@ -17,8 +17,8 @@ default, ``--active``; cold in L2) in several shapes and prints the achieved TB/
                  of 32 or 128 rows; 1-warp programs of 128 or 64 rows in 32-row steps: a W13 whose
                  programs take all 5 tiles of a short split)
 
-Then W2's bytes of the same experts, as the op's 4-warp `tl` W2 programs (64 columns per warp;
-the table's W2 at M = 4 and 8 when run 38 measured this) load them, each lane its own fragment words (4
+Then W2's bytes of the same experts, as the op's 4-warp `tl` W2 programs (64 columns per warp)
+load them, each lane its own fragment words (4
 bytes per lane, awq_mma's rows 16 (e // 4) + 4 t + e % 4), and the same bytes as plain rows (16
 bytes per lane, 128 per row).
 
@@ -28,7 +28,7 @@ grid, measures that gap. Every shape must read every word of the first expert se
 the XOR and the wrapping sum of its programs' checksums are checked against those of the words
 before it is timed.
 
-``PYTHONPATH=. python benchmarks/request_width.py [--reps 20] [--active 80]`` (explorations run 38).
+``PYTHONPATH=. python benchmarks/request_width.py [--reps 20] [--active 80]``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from moe_grouped_decode.kernels.awq_mma import chunk_lanes, chunk_rows
-from moe_grouped_decode.ops.cuda import graph_replay_us
+from moe_grouped_decode.benchmarking.replay import graph_replay_us
 
 EXPERTS, K, WORDS = 512, 2560, 40  # qwen3.8-tp4 W13: [E, K, 2N / 8] int32
 TILES = WORDS // 8  # 64-column tiles per row

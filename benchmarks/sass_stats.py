@@ -2,16 +2,18 @@
 
     PYTHONPATH=. python benchmarks/sass_stats.py [--dump DIR] [--arch 80]
 
-No GPU needed: the counts explain the measured times (docs/PERF.md) without device time.
+No GPU needed: the counts explain the measured times (docs/PERF.md) without device time. The
+kernels, grids and constexprs come from the op's own launch plan (``kernels.plan``) at the
+qwen3.8-tp4 shape, specialized as a launch specializes them (pointer and integer alignment).
 Exits non-zero if an inline mma's operands in a ``tl`` kernel are not laid out one row per lane
-(check_fragment_layouts; the Gluon W13 writes its layout out, nothing for Triton to choose). Prints, per kernel at the qwen3.8-tp4 shape, dtype, launch config and token count M, specialized
-as a launch specializes it (pointer and integer alignment): registers, stack (spills),
+(check_fragment_layouts; the Gluon kernels write their layouts out, nothing for Triton to
+choose). Prints, per kernel, dtype, launch config and token count M: registers, stack (spills),
 instructions by class and lane-instructions per weight, and for the launched kernels how many
-programs share an SM (registers, warps, shared memory) and how many waves the grid takes. The tile programs are loop-free,
-so a static count is what one program issues, except that the tl W13 kernel also holds
-program 0's sort (the "w13-tl-tile-path" line compiles it at the same split with that part cut
-to nothing, next to the Gluon ring W13 where that one runs) and the W2 count includes the fused
-combine, which one program per token and tile runs (and, with the ring W13, the compaction).
+programs share an SM (registers, warps, shared memory) and how many waves the grid takes. The
+tile programs are loop-free, so a static count is what one program issues; the W2 count
+includes the fused combine, which one program per token and tile runs. Beside the W13 the
+table runs, the "w13-tl" line compiles the tl W13 at the same split (what runs where Gluon
+does not).
 """
 import argparse
 import collections
@@ -22,14 +24,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moe_grouped_decode.contract import QWEN38_TP4 as c
-from moe_grouped_decode.kernels import grouped, w13_ring, w2_ring
-from moe_grouped_decode.kernels import configs
-from moe_grouped_decode.kernels.configs import QWEN38_TP4_SHAPE
+from moe_grouped_decode.kernels import config as kernel_config
+from moe_grouped_decode.kernels import plan as launch_plan
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -109,8 +111,8 @@ def driver_carveout_kb(registers, num_warps, shared_bytes):
     that holds as many programs as its registers and warps allow, or the largest. An SM
     then runs an early-launched kernel's programs beside another's only where this is no larger
     than the other's: it predicts every co-residence of W2 with W13 measured under the driver's
-    choice (explorations run 73); nothing documents it. (Explicit preferences follow no such
-    rule: run 74. kernels/carveout.py.)"""
+    choice under the driver's choice; nothing documents it. (Explicit preferences follow no such
+    rule: kernels/carveout.py.)"""
     if shared_bytes > 48 * 1024:  # Triton's launcher: CU_FUNC_CACHE_PREFER_SHARED
         return HOPPER_CARVEOUTS_KB[-1]
     need = programs_per_sm(registers, num_warps, 0, 90) * (shared_bytes + RESERVED_PER_PROGRAM)
@@ -144,70 +146,85 @@ def stats(name, kernel, weights_per_program, dump=None, grid=None):
           f"per weight={total * 32 * md.num_warps / weights_per_program:.2f}{occupancy}  [{top}]", flush=True)
 
 
-PTR16 = {"x_ptr": "*fp16", "ids_ptr": "*i32", "qweight_ptr": "*i32", "scales_ptr": "*fp16", "qzeros_ptr": "*i32",
-         "sorted_rows_ptr": "*i32", "sorted_experts_ptr": "*i32", "active_experts_ptr": "*i32",
-         "segment_offsets_ptr": "*i32", "live_count_ptr": "*i32", "arrivals_ptr": "*i32",
-         "topk_weights_ptr": "*fp32", "out_ptr": "*fp16", "timeline_ptr": "*i64"}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+TABLE_GPU = "NVIDIA H200"  # the launch table's GPU: the entries the measurements come from
+
+
+def argument_types(launch, dtype: str) -> dict:
+    """The Triton type of each runtime argument of ``launch`` (kernels.plan.ARGUMENT_TYPES):
+    the activation dtype's pointers for "act", int32 routing ids."""
+    types = {"act": f"*{dtype}", "ids": "*i32"}
+    return {name: types.get(launch_plan.ARGUMENT_TYPES[name], launch_plan.ARGUMENT_TYPES[name]) for name in launch.args}
+
+
+def compile_launch(launch, dtype: str, int_values: dict):
+    """Compile one plan launch for TARGET: its runtime arguments by their plan types (None
+    arguments, the timeline's stamps when off, as the constexpr None a launch makes of them)."""
+    types = argument_types(launch, dtype)
+    constexprs = dict(launch.constexprs)
+    pointers = {}
+    ints = {}
+    for param, name in zip([p.name for p in launch.kernel.params if not p.is_constexpr], launch.args):
+        if name.endswith("_stamps") and not dict(launch.constexprs).get("TIMELINE"):
+            constexprs[param] = None
+        elif types[name].startswith("*"):
+            pointers[param] = types[name]
+        else:
+            ints[param] = int_values[name]
+    options = {k: v for k, v in launch.options if k != "num_warps" and k != "launch_pdl"}
+    source = ASTSource
+    if launch.name.endswith("_gluon"):
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource
+    return compile_kernel(launch.kernel, constexprs, pointers, launch.num_warps, ints, options, source=source)
+
+
+def table_plan(dtype, M, timeline=False, changes=None):
+    """The launch plan of one grouped call at the qwen3.8-tp4 shape for ``dtype`` and M on TARGET:
+    the table's config (with ``changes`` to its fields)."""
+    K = c.hidden_size
+    capability = divmod(TARGET.arch, 10)
+    shape = (c.num_experts, c.top_k, K, c.intermediate_size, c.group_size)
+    family = "gluon" if launch_plan.gluon_runs(capability) else "tl"
+    config = dataclasses.replace(kernel_config.grouped_config(shape, TABLE_GPU, family, dtype, M), **(changes or {}))
+    return launch_plan.grouped_plan(M, c.top_k, K, c.intermediate_size, c.group_size, DTYPES[dtype],
+                                    capability, config.fitted(K), timeline=timeline)
 
 
 def launched_kernels(dtype, M, timeline=False, changes=None):
     """Compile, for TARGET, the kernels one grouped call at the qwen3.8-tp4 shape launches for
     ``dtype`` and M (the table's config, with ``changes`` to its fields), and the tl W13 at the
-    same split with program 0's sort and counter zeroing cut down to nothing (the tile programs'
-    own count). Yields (name, kernel, weights per program, grid or None, warps, whether its
+    same split. Yields (name, kernel, weights per program, grid or None, warps, whether its
     fragment layouts are Triton's to check); ``timeline``: with the per-program timestamps
     compiled in (kernels/timeline.py)."""
-    K, N, G, k = c.hidden_size, c.intermediate_size, c.group_size, c.top_k
-    capability = divmod(TARGET.arch, 10)
-    config = dataclasses.replace(configs.grouped_config(QWEN38_TP4_SHAPE, dtype, M, grouped.ring_available(capability)),
-                                 **(changes or {}))
-    use_pdl = config.pdl and TARGET.arch >= 90  # as kernels.pdl.pdl_supported decides at launch
-    pointers = dict(PTR16, **{name: f"*{dtype}" for name in ("x_ptr", "scales_ptr", "out_ptr")})
-    rows = M * k
-    ring = grouped.uses_w13_ring(config, capability)
-    w13_grid, w2_grid = grouped._grids(rows, K, N, config, ring)  # the launches' grids
-    arrivals = M * w2_grid[1] if config.fused_combine else 0
-    w13_consts = dict(TOP_K=k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps,
-                      SPLITS=config.w13_splits(K), IS_BF16=dtype == "bf16", USE_PDL=use_pdl, TIMELINE=timeline)
-    w13_ints = dict(stride_xm=K, rows=rows, num_arrivals=arrivals)
-    w13_weights = config.w13_block_k * 64
-    arrivals_pad = grouped._next_pow2(arrivals) if arrivals else 0
-    if ring:
-        from triton.experimental.gluon._runtime import GluonASTSource
+    K, N, k = c.hidden_size, c.intermediate_size, c.top_k
+    plan = table_plan(dtype, M, timeline, changes)
+    config = plan.config
+    ints = dict(x_stride=K, out_stride=K, rows=M * k, num_arrivals=plan.num_arrivals)
+    tl_plan = table_plan(dtype, M, timeline, dict(changes or {}, w13_kernel="tl", w2_kernel="tl"))
+    for launch in plan.launches:
+        if launch.stage == "w13":
+            yield (f"M={M} {dtype} w13", compile_launch(launch, dtype, ints), config.w13_block_k * 64,
+                   launch.programs, launch.num_warps, launch.name == "w13_tl")
+            tl_w13 = tl_plan.launch_for("w13")
+            yield (f"M={M} {dtype} w13-tl", compile_launch(tl_w13, dtype, ints), config.w13_block_k * 64, None,
+                   tl_w13.num_warps, True)
+        elif launch.stage == "w2":
+            yield (f"M={M} {dtype} w2", compile_launch(launch, dtype, ints), N * config.w2_block_k, launch.programs,
+                   launch.num_warps, launch.name == "w2_tl")
 
-        w13 = compile_kernel(w13_ring.w13_ring_kernel, dict(
-            TOP_K=k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks,
-            CHUNKS_PAD=grouped._next_pow2(config.w13_chunks), SPLITS=config.w13_splits(K),
-            STAGES=config.w13_ring_stages, ARRIVALS_PAD=arrivals_pad, IS_BF16=dtype == "bf16", USE_PDL=use_pdl,
-            TIMELINE=timeline), pointers, 1, w13_ints, source=GluonASTSource)
-        # its fragment layout is written out in Gluon, not chosen by Triton: nothing to check
-        yield f"M={M} {dtype} w13", w13, w13_weights, w13_grid, 1, False
-    else:
-        w13 = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=max(16, grouped._next_pow2(rows)),
-                                                       ARRIVALS_PAD=arrivals_pad),
-                             pointers, config.w13_warps, w13_ints)
-        yield f"M={M} {dtype} w13", w13, w13_weights, w13_grid, config.w13_warps, True
-    w13_tile = compile_kernel(grouped._w13_kernel, dict(w13_consts, R_PAD=16, ARRIVALS_PAD=0), pointers,
-                              config.w13_warps, w13_ints)
-    yield f"M={M} {dtype} w13-tl-tile-path", w13_tile, w13_weights, None, config.w13_warps, True
-    w2_consts = dict(K=K, N=N, G=G, SPLITS=config.w13_splits(K), WARPS=config.w2_warps, TOP_K=k,
-                     IS_BF16=dtype == "bf16", USE_PDL=use_pdl, COMPACT=ring, R_PAD=max(16, grouped._next_pow2(rows)),
-                     ACT_SPLIT=config.w2_act_split,
-                     TIMELINE=timeline)
-    w2_is_gluon = grouped.uses_w2_ring(config, capability, K)
-    if w2_is_gluon:
-        from triton.experimental.gluon._runtime import GluonASTSource
 
-        w2 = compile_kernel(w2_ring.w2_ring_kernel, dict(w2_consts, CHUNKS_PAD=grouped._next_pow2(N // 32),
-                                                         AHEAD=min(config.w2_copy_ahead, N // 32)),
-                            pointers, config.w2_warps, dict(rows=rows, stride_om=K),
-                            config.w2_compile_options(capability), source=GluonASTSource)
-    else:
-        w2 = compile_kernel(grouped._w2_rows_kernel, dict(w2_consts, N_PAD=grouped._next_pow2(N),
-                                                          FUSED_COMBINE=config.fused_combine), pointers,
-                            config.w2_warps, dict(rows=rows, stride_om=K), config.w2_compile_options(capability))
-    yield (f"M={M} {dtype} w2", w2, N * config.w2_block_k, w2_grid[0] * w2_grid[1], config.w2_warps,
-           not w2_is_gluon)
+def prefill_kernels(dtype, M, config):
+    """Compile, for TARGET, the prefill route's launches at the qwen3.8-tp4 shape for ``dtype``, M
+    and ``config`` (a kernels.config.PrefillConfig). Yields (name, kernel, weights per program, grid)."""
+    K, N, k, E = c.hidden_size, c.intermediate_size, c.top_k, c.num_experts
+    plan = launch_plan.prefill_plan(M, k, E, K, N, c.group_size, DTYPES[dtype], divmod(TARGET.arch, 10), config)
+    ints = dict(x_stride=K, out_stride=K, rows=M * k, num_blocks=1, max_groups=1)
+    weights = {"w13_prefill": K * 64, "w2_prefill": N * 64 * config.w2_warps}
+    for launch in plan.launches:
+        yield (f"M={M} {dtype} {launch.name} tb={config.token_blocks}", compile_launch(launch, dtype, ints),
+               weights.get(launch.name, 1), launch.programs)
 
 
 def timer_reads(kernel) -> int:
@@ -221,16 +238,27 @@ def main(argv=None):
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (80: the kernels' minimum)")
     parser.add_argument("--timeline", action="store_true",
                         help="instead: the timer reads per kernel at M = 8 fp16, without and with the timestamps")
+    parser.add_argument("--prefill", default="", help="instead: the prefill route's kernels at these token counts, "
+                        "under each token-block count (1, 2, 4)")
     args = parser.parse_args(argv)
     global TARGET
     TARGET = GPUTarget("cuda", args.arch, 32)
+    if args.prefill:
+        from moe_grouped_decode.kernels.config import PrefillConfig
+
+        for M in (int(m) for m in args.prefill.split(",")):
+            for blocks in (1, 2, 4):
+                for name, kernel, weights, grid in prefill_kernels("fp16", M, PrefillConfig(token_blocks=blocks)):
+                    if "prefill" in name or blocks == 1:
+                        stats(name, kernel, weights, args.dump, grid)
+        return 0
     if args.timeline:
         for timeline in (False, True):
             for name, kernel, *_ in launched_kernels("fp16", 8, timeline):
                 print(f"{name} timeline={timeline}: timer reads={timer_reads(kernel)}", flush=True)
         return 0
-    # M = 2 and 4: the 4-warp Gluon W2 under the cap; 3: a count off the table (GroupedConfig's
-    # defaults), the tl W2, whose fragment layouts Triton chooses; 8: the 8-warp Gluon W2; bf16: its own PTX
+    # M = 2 and 4: the 4-warp Gluon W2 under the cap; 3: the tl W2 (GroupedConfig's defaults),
+    # whose fragment layouts Triton chooses; 8: the 8-warp Gluon W2; bf16: its own PTX
     for dtype, M in (("fp16", 2), ("fp16", 3), ("fp16", 4), ("fp16", 8), ("bf16", 8)):
         for name, kernel, weights, grid, warps, tl_layouts in launched_kernels(dtype, M):
             stats(name, kernel, weights, args.dump, grid)

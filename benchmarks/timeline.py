@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 
-from moe_grouped_decode.bench import random_layer_inputs, rotated_layers
+from moe_grouped_decode.benchmarking.bench import random_layer_inputs, rotated_layers
+from moe_grouped_decode.benchmarking.replay import graph_replay_us
+from moe_grouped_decode.benchmarking.stamps import alloc_stamps
 from moe_grouped_decode.contract import QWEN38_TP4 as c
-from moe_grouped_decode.kernels import configs, cuda_capability, grouped
+from moe_grouped_decode.kernels import cuda_capability
 from moe_grouped_decode.kernels.timeline import W2_STAMPS, W13_STAMPS
-from moe_grouped_decode.ops import alloc_workspace, workspace_views
-from moe_grouped_decode.ops.cuda import graph_replay_us
+from moe_grouped_decode.ops import alloc_workspace, grouped_plan_for, launch_grouped
 from sass_stats import driver_carveout_kb
 
 LAYERS = 32
@@ -48,10 +49,10 @@ def layer_points(w13, w2, next_w13, prev_w2, rows, w13_sm, w2_sm):
     stamps; ``w13_sm`` [programs] and ``w2_sm`` [grid rows, tiles]: the SM each program ran on."""
     t0 = w13[:, 0].min()
     us = lambda t: float(t - t0) / 1000.0  # noqa: E731
-    tile_programs = w13[1:]  # program 0 zeroes counters (with the tl W13: and sorts); it is in the firsts and lasts
+    tile_programs = w13[1:]  # program 0 zeroes the counters; it is in the firsts and lasts
     # tile programs are numbered (row, split, tile) row-major: a row's W13 is done at its last program's end
     row_done = tile_programs[:, 1].reshape(rows, -1).max(dim=1).values
-    tiles = w2[:rows]  # the (row, tile) programs, not the compaction row
+    tiles = w2[:rows]  # the (row, tile) programs
     per_program = lambda a, b: _median(tiles[..., b] - tiles[..., a]) / 1000.0  # noqa: E731
     return {
         "previous layer's last W2 end": us(prev_w2[:rows, :, 4].max()),
@@ -100,24 +101,20 @@ def sm_points(w13_sm, w2_sm, w2, us):
 def measure(M: int, layers, workspace, gen, fields=None):
     ids, tws, xs = random_layer_inputs(M, k, E, K, LAYERS, torch.float16, "cuda", gen)
     outs = [torch.empty_like(x) for x in xs]
-    config = configs.grouped_config((E, k, K, N, G), "fp16", M,
-                                    grouped.ring_available(cuda_capability(torch.device("cuda"))))
-    config = dataclasses.replace(config, **(fields or {})).fitted(K)
-    views = workspace_views(workspace, M * k, K, N)
-    timelines = [grouped.alloc_timeline(M, k, K, N, config, torch.device("cuda")) for _ in range(LAYERS)]
+    config = dataclasses.replace(grouped_plan_for(xs[0], ids[0], layers[0]).config, **(fields or {})).fitted(K)
+    plan = grouped_plan_for(xs[0], ids[0], layers[0], config, timeline=True)
+    timelines = [alloc_stamps(plan, "cuda") for _ in range(LAYERS)]
 
     def step(i):
-        grouped.grouped_decode(xs[i], tws[i], ids[i], *layers[i].op_args(), views, outs[i], config,
-                               timeline=timelines[i])
+        launch_grouped(xs[i], tws[i], ids[i], layers[i], workspace, outs[i], config, stamps=timelines[i], timeline=True)
 
     # the op's build and the stamped one, once each, before the replays (which then overwrite these stamps)
-    beside = []
-    for build_timeline in (None, timelines[0]):
-        kernels = grouped.grouped_decode(xs[0], tws[0], ids[0], *layers[0].op_args(), views, outs[0], config,
-                                         timeline=build_timeline)
-        beside.append(w2_beside_w13(kernels, config))
+    beside = [w2_beside_w13(launch_grouped(xs[0], tws[0], ids[0], layers[0], workspace, outs[0], config), config),
+              w2_beside_w13(launch_grouped(xs[0], tws[0], ids[0], layers[0], workspace, outs[0], config,
+                                           stamps=timelines[0], timeline=True), config)]
     us = graph_replay_us(step, LAYERS)
-    raw = {"w13": torch.stack([t.w13 for t in timelines]).cpu(), "w2": torch.stack([t.w2 for t in timelines]).cpu()}
+    raw = {"w13": torch.stack([t["w13_stamps"] for t in timelines]).cpu(),
+           "w2": torch.stack([t["w2_stamps"] for t in timelines]).cpu()}
     # the stamps are ns since 1970 (~2^61): from a common base first, so doubles hold them exactly
     base = raw["w13"][:, :, 0].min()
     w13 = (raw["w13"][..., :W13_SM] - base).double()
@@ -133,7 +130,7 @@ def measure(M: int, layers, workspace, gen, fields=None):
 
 
 def w2_beside_w13(kernels, config) -> str:
-    """Whether the W2 launch's programs may start beside W13's (``kernels``: what grouped_decode
+    """Whether the W2 launch's programs may start beside W13's (``kernels``: what launch_grouped
     returned), by sass_stats.driver_carveout_kb: "yes" under the largest carveout for both, else
     where W2's carveout is no larger than W13's; with both kernels' registers. The model and its
     carveouts are Hopper's."""

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from moe_grouped_decode.awq import slice_tp, synthetic_moe_weights  # noqa: E402
 from moe_grouped_decode.ops import alloc_workspace, error_stats, reference_moe  # noqa: E402
-from moe_grouped_decode.ops.cuda import graph_replay_us  # noqa: E402
+from moe_grouped_decode.benchmarking.replay import graph_replay_us  # noqa: E402
 
 WORLD = 4  # the tensor-parallel degree: four rank shards, over --procs processes
 E, TOP_K, K, FULL_N, G = 512, 10, 2560, 640, 32
@@ -65,7 +65,7 @@ def grouped(x, tw, ids, shard, workspace):
 def check_rows(partials_by_rank, full_cpu, x, tw, ids, dtype_name, M):
     """Sum the rank partials in float32 (as NCCL's sum of 16-bit values would, up to order)."""
     total = torch.stack([p.float() for p in partials_by_rank]).sum(0).to(partials_by_rank[0].dtype)
-    ref = reference_moe(x, tw, ids, *full_cpu.op_args())
+    ref = reference_moe(x, tw, ids, full_cpu)
     stats = error_stats(total, ref)
     ok = not stats.nan and stats.scaled_max_abs <= BOUND[total.dtype]
     return {"dtype": dtype_name, "M": M, "max_abs": stats.max_abs, "max_ulp": stats.max_ulp,
@@ -134,7 +134,7 @@ def _worker(rank: int, args, result_path: str) -> None:
             dist.all_reduce(summed)  # what the model does (with one shard per process)
             if rank == 0:
                 row = check_rows(list(torch.cat(gathered)), full_cpu, x.to(dtype), tw, ids, dtype_name, M)
-                allreduce_stats = error_stats(summed, reference_moe(x.to(dtype), tw, ids, *full_cpu.op_args()))
+                allreduce_stats = error_stats(summed, reference_moe(x.to(dtype), tw, ids, full_cpu))
                 row["allreduce_max_abs"] = allreduce_stats.max_abs
                 row["allreduce_max_ulp"] = allreduce_stats.max_ulp
                 rows.append(row)

@@ -8,8 +8,8 @@ Per M (CUDA-graph replay over 32 layers of distinct weights, L2 cold, random rou
                  stay in L2, so DRAM is out of the picture (issue and latency only)
   read R x W     a read-only kernel over exactly W13's bytes per routed row, in tiles of
                  R rows x W packed int32 columns per program (xor-reduced, nothing else):
-                 256 x 8 was v6a's tile (v7 reads 128-512 rows x 8 int32s, four rows per
-                 lane); 64 x 64 (masked to the row's 40 int32s) reads whole 160-byte rows
+                 256 x 8 and 128 x 16 are tile shapes W13 programs have had; 64 x 64 (masked
+                 to the row's 40 int32s) reads whole 160-byte rows
 """
 import sys
 
@@ -18,11 +18,10 @@ import triton
 import triton.language as tl
 
 import moe_grouped_decode.ops  # noqa: F401  (registers the ops)
-from moe_grouped_decode.bench import random_layer_inputs, rotated_layers
+from moe_grouped_decode.benchmarking.bench import random_layer_inputs, rotated_layers
+from moe_grouped_decode.benchmarking.replay import graph_replay_us
 from moe_grouped_decode.contract import QWEN38_TP4 as c
-from moe_grouped_decode.kernels import configs, grouped
-from moe_grouped_decode.ops import alloc_workspace, workspace_views
-from moe_grouped_decode.ops.cuda import graph_replay_us
+from moe_grouped_decode.ops import alloc_workspace, launch_grouped
 
 LAYERS = 32
 
@@ -67,13 +66,11 @@ def main():
             raise SystemExit(f"M={M}: the workspace and sink here hold 8 tokens")
         ids, tws, xs = random_layer_inputs(M, k, E, K, LAYERS, torch.float16, "cuda", gen)
         out = torch.empty_like(xs[0])
-        views = workspace_views(workspace, M * k, K, N)
-        config = configs.grouped_config((E, k, K, N, G), "fp16", M)
         times = {}
 
         def w13(i, hot=False):
             j = 0 if hot else i
-            grouped.grouped_decode(xs[j], tws[j], ids[j], *layers[j].op_args(), views, out, config, stages=("w13",))
+            launch_grouped(xs[j], tws[j], ids[j], layers[j], workspace, out, stages=("w13",))
 
         times["w13"] = graph_replay_us(w13, LAYERS)
         times["w13 hot"] = graph_replay_us(lambda i: w13(i, hot=True), LAYERS)

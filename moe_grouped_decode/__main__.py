@@ -1,22 +1,30 @@
-"""Command line: ``python -m moe_grouped_decode {demo,bench}``."""
+"""Command line: ``python -m moe_grouped_decode {demo,bench} [options]`` (``COMMAND --help`` lists them)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+COMMANDS = {
+    "demo": "the main job: operator check, then vLLM with the plugin on and off",
+    "bench": "CUDA benchmark at every token count: the plugin's routes beside vLLM's own backends and the floors",
+}
+
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        if argv[0] == "demo":
+            from .demo import main as command_main
+        else:
+            from .benchmarking.bench import main as command_main
+        return command_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m moe_grouped_decode", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="the main job: operator check, then vLLM with the plugin on and off")
-    sub.add_parser("bench", help="CUDA benchmark: grouped vs dense vs the memory-read floor")
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        from .demo import main as command_main
-    else:
-        from .bench import main as command_main
-    return command_main(rest)
+    for name, text in COMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
+    parser.parse_args(argv)  # prints the usage (or the error) and exits
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Shape contracts and the one admission function.
 
-A *contract* names one MoE layer family that the grouped decode route is built
-and tuned for. ``admits`` is the single source of truth for every admission
-decision in the project: the runtime route, warmup, the Inductor rewrite, the
-vLLM method and the CLI all ask it, so they can never disagree.
+A *contract* names one MoE layer family that the plugin serves, and the token window in
+which its grouped decode route runs (every other token count of an admitted layer takes the
+prefill route: ``awq_moe_dense``). ``admits`` is the single source of truth for every
+admission decision in the project: the runtime route, warmup, the Inductor rewrite, the vLLM
+method and the CLI all ask it, so they can never disagree. The windows are data: the measured
+route table ``routes.json`` (per contract and GPU), or ``MOE_GROUPED_DECODE_WINDOW`` (e.g. the
+seeds' ``2..8``) over it.
 
 Shape letters used throughout the package:
 
@@ -16,13 +19,17 @@ Shape letters used throughout the package:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Optional, Tuple, Union
 
 import torch
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
+TokenRange = Tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,12 @@ class ShapeContract:
                     f"contract {self.name!r}: {what}={size} must be a multiple of "
                     f"group_size={self.group_size} and of 8 (int4 packing)"
                 )
+        sizes = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                 "group_size": self.group_size}
+        off = [f"{what}={size}" for what, size in sizes.items() if size % 32]
+        if off:
+            raise ValueError(f"contract {self.name!r}: {', '.join(off)}: K, N and G must be multiples of 32 "
+                             "(the kernels' 32-row tensor-core chunks)")
 
     def shape_mismatches(self, shape: LayerShape) -> list[str]:
         """Human-readable reasons why ``shape`` is not this contract's family."""
@@ -101,23 +114,58 @@ class ShapeContract:
         return reasons
 
     @property
+    def shape(self) -> Tuple[int, int, int, int, int]:
+        """(E, k, K, N, G): what the launch tables key a layer by."""
+        return (self.num_experts, self.top_k, self.hidden_size, self.intermediate_size, self.group_size)
+
+    @property
     def max_rows(self) -> int:
         """R at the top of the window: what a workspace for this contract must hold."""
         return self.max_tokens * self.top_k
 
 
-QWEN38_TP4 = ShapeContract(
+ROUTES_PATH = Path(__file__).resolve().parent / "routes.json"
+
+
+def route_table(path: Path = ROUTES_PATH) -> dict:
+    """The measured route table: per contract and GPU, the token counts the grouped route serves
+    (``grouped_tokens`` [lo, hi]); every other count of an admitted layer takes the prefill
+    route. Written by ``python -m moe_grouped_decode bench --write-routes``; read at import for
+    the table's default GPU, and for the GPU vLLM runs on by ``apply_route_table``."""
+    return json.loads(path.read_text())
+
+
+def grouped_tokens(contract_name: str, gpu_name: Optional[str] = None, table: Optional[dict] = None) -> TokenRange:
+    """The grouped route's token window of a contract on ``gpu_name`` (the table's default GPU
+    where that GPU has no entry of its own or none is named)."""
+    entry = (table or route_table())[contract_name]
+    gpus = entry["gpus"]
+    lo, hi = gpus.get(gpu_name, gpus[entry["default_gpu"]])["grouped_tokens"]
+    return int(lo), int(hi)
+
+
+def _with_window(contract: "ShapeContract") -> "ShapeContract":
+    """``contract`` under the MOE_GROUPED_DECODE_WINDOW setting (e.g. the seeds' 2..8), if set."""
+    from .env import grouped_window_setting
+
+    window = grouped_window_setting()
+    return contract if window is None else dataclasses.replace(contract, min_tokens=window[0], max_tokens=window[1])
+
+
+_QWEN38_WINDOW = grouped_tokens("qwen3.8-tp4")
+QWEN38_TP4 = _with_window(ShapeContract(
     name="qwen3.8-tp4",
     num_experts=512,
     top_k=10,
     hidden_size=2560,
     intermediate_size=160,  # 640 / TP4
     group_size=32,
-    min_tokens=2,  # C1 keeps the dense route (seed evidence: no gain at C1)
-    max_tokens=8,
-)
+    min_tokens=_QWEN38_WINDOW[0],  # the measured route table (routes.json): grouped below, prefill above
+    max_tokens=_QWEN38_WINDOW[1],
+))
 
-_REGISTRY: dict[str, ShapeContract] = {QWEN38_TP4.name: QWEN38_TP4}
+SHIPPED_CONTRACTS = (QWEN38_TP4,)  # the contracts with a route table entry (routes.json)
+_REGISTRY: dict[str, ShapeContract] = {c.name: c for c in SHIPPED_CONTRACTS}
 
 
 def registered_contracts() -> Tuple[ShapeContract, ...]:
@@ -148,13 +196,20 @@ def contract_registered(contract: ShapeContract) -> Iterator[ShapeContract]:
             unregister_contract(contract.name)
 
 
+def apply_route_table(gpu_name: Optional[str], table: Optional[dict] = None) -> None:
+    """Re-register the shipped contracts with ``gpu_name``'s grouped window from the route table
+    (the vLLM plugin calls it once the GPU's name is known; at import the table's default GPU's
+    window applies). MOE_GROUPED_DECODE_WINDOW, when set, stays over it."""
+    for contract in SHIPPED_CONTRACTS:
+        lo, hi = grouped_tokens(contract.name, gpu_name, table)
+        windowed = _with_window(dataclasses.replace(contract, min_tokens=lo, max_tokens=hi))
+        _REGISTRY[contract.name] = contract if windowed == contract else windowed
+
+
 def contracts_fingerprint() -> str:
     """Stable digest of the registered contract set (feeds compile-cache keys)."""
     text = repr(sorted((repr(c) for c in _REGISTRY.values())))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-TokenRange = Tuple[int, int]
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 1. Operator check: both ops on a synthetic qwen3.8-tp4 layer against the per-expert reference.
 2. vLLM end to end: generate a tiny AWQ Qwen3-MoE checkpoint locally, run greedy
    generation through ``vllm.LLM`` twice, each in a fresh process: plugin on
-   (``VLLM_AWQ_MOE_GROUPED_DECODE=1``) and rolled back (``=0``); print the token
+   (``MOE_GROUPED_DECODE=1``) and rolled back (``=0``); print the token
    ids, the rewrite counts and the timing side by side.
 3. On a CUDA machine: the benchmark table (``python -m moe_grouped_decode bench``).
 
@@ -36,7 +36,14 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, generator: tor
     return topk_weights.to(device), topk_ids.to(torch.int32).to(device)
 
 
-def run_operator_check(device: str = "cpu", dtype: torch.dtype = torch.float16, tokens=range(1, 10), seed: int = 0) -> bool:
+# decode sizes; on a GPU also both sides of the qwen3.8-tp4 grouped window's top (1..64 on the
+# route table's GPU) and a prefill size (the float64 reference takes minutes there on 2 CPU cores)
+OPERATOR_CHECK_TOKENS = (1, 2, 3, 4, 8, 9, 16)
+GPU_OPERATOR_CHECK_TOKENS = OPERATOR_CHECK_TOKENS + (64, 65, 128)
+
+
+def run_operator_check(device: str = "cpu", dtype: torch.dtype = torch.float16, tokens=None, seed: int = 0) -> bool:
+    tokens = tokens or (GPU_OPERATOR_CHECK_TOKENS if device == "cuda" else OPERATOR_CHECK_TOKENS)
     contract = QWEN38_TP4
     print(f"building a synthetic {contract.name} layer (E={contract.num_experts}, k={contract.top_k}, "
           f"K={contract.hidden_size}, N={contract.intermediate_size}, G={contract.group_size}, {dtype}) on {device} ...",
@@ -53,12 +60,12 @@ def run_operator_check(device: str = "cpu", dtype: torch.dtype = torch.float16, 
         x = torch.randn(m, contract.hidden_size, generator=generator).to(dtype).to(device)
         topk_weights, topk_ids = random_routing(m, contract.num_experts, contract.top_k, generator, device)
         shape = LayerShape.from_tensors(x, topk_ids, weights.w13_qweight, weights.w2_qweight, weights.group_size)
-        route = "grouped" if admits(shape, m) else "dense"
-        ref = reference_moe(x, topk_weights, topk_ids, *weights.op_args())
+        route = "grouped" if admits(shape, m) else "prefill"
+        ref = reference_moe(x, topk_weights, topk_ids, weights)
         active = topk_ids.unique().numel()
         outputs = {}
         for name, op, extra in (
-            ("dense", torch.ops.moe_grouped_decode.awq_moe_dense, ()),
+            ("prefill", torch.ops.moe_grouped_decode.awq_moe_dense, ()),
             ("grouped", torch.ops.moe_grouped_decode.awq_moe_grouped_decode, (workspace,)),
         ):
             start = time.perf_counter()
@@ -73,10 +80,10 @@ def run_operator_check(device: str = "cpu", dtype: torch.dtype = torch.float16, 
             print(f"{m:>3} {active:>6} {route:>7} {name:>8} {stats.max_abs:>10.3e} {stats.max_ulp:>7d} "
                   f"{stats.rel_err:>9.2e} {stats.scaled_max_abs:>9.2e} {ms:>8.1f}  {'ok' if ok else 'MISMATCH'}",
                   flush=True)
-        agree = error_stats(outputs["grouped"], outputs["dense"].to(torch.float64))
+        agree = error_stats(outputs["grouped"], outputs["prefill"].to(torch.float64))
         if agree.scaled_max_abs > SCALED_MAX_ABS_BOUND:
             all_ok = False
-            print(f"    dense and grouped disagree at M={m}: max_abs {agree.max_abs:.3e}")
+            print(f"    prefill and grouped disagree at M={m}: max_abs {agree.max_abs:.3e}")
     print(f"route: 'grouped' where admits() accepts M (window {contract.min_tokens}..{contract.max_tokens}); "
           f"bound: max_abs <= {SCALED_MAX_ABS_BOUND} * max|ref|")
     print("operator check:", "PASS" if all_ok else "FAIL")
@@ -101,7 +108,7 @@ def run_vllm_check(checkpoint_root: Path, requests: int = 4, min_tokens: int = 4
           f"(decode batch {requests}..1)", flush=True)
     runs = {}
     for label, switch in (("plugin on (=1)", "1"), ("rolled back (=0)", "0")):
-        print(f"  running vLLM, VLLM_AWQ_MOE_GROUPED_DECODE={switch} ...", flush=True)
+        print(f"  running vLLM, MOE_GROUPED_DECODE={switch} ...", flush=True)
         runs[label] = run_in_subprocess(model, switch, requests, min_tokens, contracts=(contract,))
     on, off = runs.values()
     width = max(len(label) for label in runs)
@@ -142,7 +149,7 @@ def main(argv=None) -> int:
     if not args.skip_vllm:
         ok &= run_vllm_check(args.checkpoints)
     if device == "cuda":
-        from .bench import main as bench_main
+        from .benchmarking.bench import main as bench_main
 
         ok &= bench_main([]) == 0
     return 0 if ok else 1

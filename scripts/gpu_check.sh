@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one device script: GPU tests, benchmark (+ optional config sweep), single-GPU TP4 check.
-# Installs nothing. Writes logs/JSON/Markdown/PNG under $OUT (default artifacts/gpu_check)
-# and prints a short table last.
+# Installs nothing (but the Humming wheel of .anchors into /tmp/site when .anchors is carried:
+# then the benchmark has vLLM's own backends beside the plugin). Writes logs/JSON/Markdown/PNG
+# under $OUT (default artifacts/gpu_check) and prints a short table last.
 #   scripts/gpu_check.sh [--sweep 2,4,8] [--breakdown 2,8] [--variants 2,8] [--timeline 2,4,8] [--skip-tests] [--skip-bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,9 +26,18 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
 status=0
 if [ "$TESTS" = 1 ]; then
-  MOE_GD_STATS="$OUT/cuda_stats.json" timeout 300 python3 -m pytest -q -rs --maxfail=8 -p no:cacheprovider tests/test_cuda_ops.py tests/test_lowering_cuda_graphs.py || status=1
+  MOE_GD_STATS="$OUT/cuda_stats.json" timeout 540 python3 -m pytest -q -rs --maxfail=8 -p no:cacheprovider \
+    tests/test_cuda_ops.py tests/test_lowering_cuda_graphs.py tests/test_cuda_prefill.py tests/test_cuda_sync_free.py \
+    > "$OUT/gpu_tests.log" 2>&1 || status=1
+  tail -3 "$OUT/gpu_tests.log"
 fi
-[ "$BENCH" = 0 ] || timeout $([ -n "$SWEEP" ] && echo 420 || echo 220) python3 -m moe_grouped_decode bench --out "$OUT" ${SWEEP:+--sweep "$SWEEP"} ${BREAKDOWN:+--breakdown "$BREAKDOWN"} || status=1
+ANCHORS=""
+if [ -d .anchors ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .anchors/humming_whl/*.whl \
+    && export PYTHONPATH=.:/tmp/site && ANCHORS=.anchors
+fi
+[ "$BENCH" = 0 ] || timeout $([ -n "$SWEEP" ] && echo 600 || echo 400) python3 -m moe_grouped_decode bench --out "$OUT" \
+  ${ANCHORS:+--anchors "$ANCHORS"} ${SWEEP:+--sweep "$SWEEP"} ${BREAKDOWN:+--breakdown "$BREAKDOWN"} || status=1
 if [ -n "$VARIANTS" ]; then
   timeout 150 python3 benchmarks/launch_variants.py all "$VARIANTS" | tee "$OUT/launch_variants.md" || status=1
 fi
@@ -35,14 +45,14 @@ if [ -n "$TIMELINE" ]; then
   timeout 120 python3 benchmarks/timeline.py "$TIMELINE" --out "$OUT/timeline.md" || status=1
 fi
 # the opt-in autotune path, end to end, for one token count (cache in a scratch dir)
-MOE_GROUPED_DECODE_CACHE=/tmp/moe_gd_tune VLLM_AWQ_MOE_GROUPED_DECODE_TUNE=1 timeout 90 python3 - <<'PY' || status=1
+MOE_GROUPED_DECODE_CACHE=/tmp/moe_gd_tune MOE_GROUPED_DECODE_TUNE=1 timeout 90 python3 - <<'PY' || status=1
 import glob, time, torch
 from moe_grouped_decode.awq import synthetic_for_contract
 from moe_grouped_decode.contract import QWEN38_TP4 as c
 from moe_grouped_decode.ops import cuda
 w = synthetic_for_contract(c, device="cuda")
 t0 = time.time()
-cuda.warmup(*w.tensors(), c.group_size, c.top_k, grouped_token_counts=[2], dense_token_counts=[1, 16])
+cuda.warmup(w, c.top_k, grouped_token_counts=[2], dense_token_counts=[1, 16])
 print(f"[tune] warmup with tune took {time.time() - t0:.0f}s;", open(glob.glob("/tmp/moe_gd_tune/*.json")[0]).read())
 PY
 timeout 70 python3 benchmarks/tp4_check.py --single-gpu --out "$OUT" || status=1

@@ -15,8 +15,9 @@ import dataclasses  # noqa: E402
 import torch  # noqa: E402
 
 from moe_grouped_decode.awq import synthetic_moe_weights  # noqa: E402
-from moe_grouped_decode.kernels import dense, grouped  # noqa: E402
-from moe_grouped_decode.kernels.configs import DenseConfig, GroupedConfig  # noqa: E402
+from moe_grouped_decode.benchmarking.read_floor import Compaction, compact  # noqa: E402
+from moe_grouped_decode.kernels.config import GroupedConfig, PrefillConfig  # noqa: E402
+from moe_grouped_decode.ops import launch_grouped, launch_prefill, prefill_plan_for  # noqa: E402
 from moe_grouped_decode.ops.reference import error_stats, reference_moe, reference_segments  # noqa: E402
 from moe_grouped_decode.ops.workspace import alloc_workspace, workspace_views  # noqa: E402
 
@@ -38,6 +39,7 @@ def output_buffer(x: torch.Tensor) -> torch.Tensor:
 
 
 def routing(pattern: str, M: int, k: int, E: int, gen: torch.Generator) -> torch.Tensor:
+    """topk_ids [M, k] int32 (int64 would do as well)."""
     if pattern == "random":  # distinct experts per token, random order
         return torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
     if pattern == "round_robin":  # consecutive experts, wrapping: neighbours share experts
@@ -55,17 +57,37 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -
         sys.exit(1)
 
 
-def check_segments(name: str, ids: torch.Tensor, views) -> None:
+def check_segments(name: str, ids: torch.Tensor, buffers: Compaction) -> None:
     want = reference_segments(ids)
-    A = int(views.live_count[0])
+    A = int(buffers.live_count[0])
     got = (
-        views.active_experts[:A].tolist(),
-        views.segment_offsets[: A + 1].tolist(),
-        views.sorted_rows[: ids.numel()].tolist(),
+        buffers.active_experts[:A].tolist(),
+        buffers.segment_offsets[: A + 1].tolist(),
+        buffers.sorted_rows[: ids.numel()].tolist(),
     )
     if got != (want.active_experts, want.segment_offsets, want.sorted_rows):
         print(f"FAIL {name}: compaction {got} != {want}", flush=True)
         sys.exit(1)
+
+
+def check_groups(name: str, ids: torch.Tensor, views, group_rows: int, E: int) -> None:
+    """The prefill sort's groups: every routed row with an id in [0, E) in exactly one group of its
+    expert, at most group_rows rows per group, experts ascending, rows ascending within an expert."""
+    flat = ids.flatten().tolist()
+    live = int(views["num_groups"][0])
+    placed = []
+    for g in range(live):
+        expert, start, count = (int(views[key][g]) for key in ("group_expert", "group_start", "group_count"))
+        rows = views["sorted_rows"][start: start + count].tolist()
+        if not 1 <= count <= group_rows or any(flat[r] != expert for r in rows):
+            print(f"FAIL {name}: group {g} (expert {expert}, {count} rows) holds {rows}", flush=True)
+            sys.exit(1)
+        placed += rows
+    want = [r for r in sorted(range(len(flat)), key=lambda r: (flat[r], r)) if 0 <= flat[r] < E]
+    if placed != want:
+        print(f"FAIL {name}: sorted rows {placed} != {want}", flush=True)
+        sys.exit(1)
+    print(f"ok   {name}: {live} groups", flush=True)
 
 
 def run_grouped(weights, x, tw, ids, config: GroupedConfig):
@@ -75,9 +97,7 @@ def run_grouped(weights, x, tw, ids, config: GroupedConfig):
     workspace.fill_(-7)  # poison: ids, offsets and float partials all garbage
     views = workspace_views(workspace, M * k, K, N)
     out = output_buffer(x)
-    grouped.grouped_decode(
-        x, tw, ids, *weights.op_args(), views, out, config.fitted(K),
-    )
+    launch_grouped(x, tw, ids, weights, workspace, out, config)
     return out, views
 
 
@@ -121,8 +141,9 @@ def check_row_outputs(name: str, weights, x, ids, views, act_split: bool) -> Non
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    # K=64, 2N=64: one W13 column tile of 8 int32s, two 32-row K-splits, one W2 column tile
-    base = GroupedConfig(w13_block_k=32, w13_warps=1, w2_warps=1)
+    # K=64, 2N=64: one W13 column tile of 8 int32s, two 32-row K-splits, one W2 column tile; the
+    # interpreter runs the tl kernels (a config naming the Gluon ones falls back to them)
+    base = GroupedConfig(w13_kernel="tl", w13_block_k=32, w13_warps=1, w2_warps=1)
     cases = [
         # (E, k, K, N, G, M, pattern, dtype, config): why
         (8, 2, 64, 32, 32, 1, "random", torch.float16, base),  # smallest batch, one chunk per K-split
@@ -146,37 +167,57 @@ def main() -> None:
         ids = routing(pattern, M, k, E, gen)
         name = f"grouped E={E} k={k} K={K} N={N} G={G} M={M} {pattern} {dtype} {config}"
         out, views = run_grouped(weights, x, tw, ids, config)
-        check(name, out, reference_moe(x, tw, ids, *weights.op_args()), dtype)
+        check(name, out, reference_moe(x, tw, ids, weights), dtype)
         check_row_outputs(name, weights, x, ids, views, config.w2_act_split)
-        check_segments(name, ids, views)
         # the last token alone gives the same bits (position and neighbour independence)
         alone, _ = run_grouped(weights, x[-1:], tw[-1:], ids[-1:], config)
         if not torch.equal(alone, out[-1:]):
             print(f"FAIL {name}: last token differs when run alone", flush=True)
             sys.exit(1)
 
-    # the standalone compaction kernel on its own: one padded sort at R = 10 and R = 135
+    # the benchmark's two-launch read floor sorts with this compaction kernel: one padded sort at
+    # R = 10 and R = 135
     for M, k, E in ((5, 2, 8), (45, 3, 16)):
         ids = routing("random", M, k, E, gen)
-        workspace = alloc_workspace(M, k, 64, 32, "cpu")
-        workspace.fill_(-7)
-        views = workspace_views(workspace, M * k, 64, 32)
-        grouped.compact(ids, views.sorted_rows, views.sorted_experts, views.active_experts, views.segment_offsets, views.live_count)
-        check_segments(f"compaction R={M * k}", ids, views)
-        print(f"ok   compaction R={M * k} A={int(views.live_count[0])}", flush=True)
+        buffers = Compaction.alloc(M * k, "cpu")
+        for buffer in (buffers.sorted_rows, buffers.active_experts, buffers.segment_offsets, buffers.live_count):
+            buffer.fill_(-7)
+        compact(ids, buffers)
+        check_segments(f"compaction R={M * k}", ids, buffers)
+        print(f"ok   compaction R={M * k} A={int(buffers.live_count[0])}", flush=True)
 
-    # dense route, fp16 only: the interpreter cannot run tl.dot on bfloat16 (it stores
-    # bf16 as uint16 and multiplies the bit patterns); the GPU tests cover bf16
-    for M, k in ((5, 2), (7, 3)):
-        E, K, N, G, dtype = 8, 64, 32, 16, torch.float16
-        weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=M)
+    # the prefill route: the on-device sort into groups of 8 * token_blocks rows, then W13 (+ SiLU)
+    # and W2 per group, and the combine. Single-hot routing with 20 tokens gives every expert 20
+    # rows: three groups of 8 (two of 16). Routed ids outside [0, E) (-1 and E: no expert) must
+    # contribute nothing: the reference gets those slots' weights zeroed.
+    prefill_cases = [
+        # (E, k, K, N, G, M, pattern, dtype, config, bad ids): why
+        (8, 3, 64, 32, 32, 5, "random", torch.float16, PrefillConfig(w13_warps=1, w2_warps=1), False),  # one W13 tile
+        (8, 3, 96, 64, 32, 20, "single_hot", torch.bfloat16, PrefillConfig(w13_warps=4, w2_warps=2), False),  # K = 3 chunks over 4 warps
+        (16, 2, 128, 64, 64, 40, "random", torch.float16, PrefillConfig(token_blocks=2, w13_warps=2), False),  # G = 64, 16-row groups
+        (8, 3, 64, 64, 32, 20, "single_hot", torch.float16, PrefillConfig(token_blocks=2, w2_warps=1), True),
+        (8, 2, 64, 32, 32, 6, "round_robin", torch.bfloat16, PrefillConfig(w13_warps=2), True),
+        # 32-row groups (four B operands per A fragment): 40 rows per expert, a full group and one of 8
+        (16, 4, 64, 32, 32, 40, "single_hot", torch.float16, PrefillConfig(token_blocks=4, w13_warps=2, w2_warps=2),
+         False),
+    ]
+    for E, k, K, N, G, M, pattern, dtype, config, bad in prefill_cases:
+        weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + M + 1)
         x = torch.randn(M, K, generator=gen).to(dtype)
         tw = torch.rand(M, k, generator=gen)
-        ids = routing("random", M, k, E, gen)
+        ids = routing(pattern, M, k, E, gen)
+        ref_tw = tw.clone()
+        if bad:
+            ids[0, 0], ids[M - 1, k - 1] = -1, E
+            ref_tw[0, 0] = ref_tw[M - 1, k - 1] = 0.0
+        name = f"prefill E={E} k={k} K={K} N={N} G={G} M={M} {pattern} {dtype} {config} bad ids={bad}"
         out = output_buffer(x)
-        config = DenseConfig(block_m=16, w13_block_n=32, block_k=16, w2_block_k=64, w2_block_n=16, num_warps=4)
-        dense.dense_moe(x, tw, ids, *weights.op_args(), out, config)
-        check(f"dense E={E} k={k} M={M} {dtype}", out, reference_moe(x, tw, ids, *weights.op_args()), dtype)
+        plan = prefill_plan_for(x, ids, weights, config)
+        scratch = torch.full((plan.scratch_numel,), -7, dtype=torch.int32)
+        launch_prefill(x, tw, ids, weights, out, config, scratch=scratch)
+        check(name, out, reference_moe(x, ref_tw, ids.clamp(0, E - 1), weights), dtype)
+        check_groups(name, ids, plan.scratch_views(scratch), config.group_rows, E)
+
     print("all interpreter checks passed", flush=True)
 
 

@@ -1,41 +1,92 @@
-"""Launch configs (kernels/configs.py): the qwen3.8-tp4 table, the autotune cache, and which
-compile options a config turns into on which GPU. CPU only: no kernel runs here."""
+"""Launch configs (kernels/config.py), their tables (kernels/configs/*.json), the autotune
+cache, and which kernels a plan launches (kernels/plan.py). CPU only: no kernel runs here."""
 
 import dataclasses
 import json
 
 import pytest
+import torch
 
-from moe_grouped_decode.kernels import configs
-from moe_grouped_decode.kernels.configs import MAX_SPLIT_K, QWEN38_TP4_SHAPE, GroupedConfig
+from moe_grouped_decode.contract import QWEN38_TP4, registered_contracts
+from moe_grouped_decode.env import GLUON_W13_ENV
+from moe_grouped_decode.kernels import config, gluon_helpers, plan
+from moe_grouped_decode.kernels.config import MAX_SPLIT_K, GroupedConfig
 
-K = QWEN38_TP4_SHAPE[2]
-
-
-@pytest.mark.parametrize("tokens", sorted(configs._QWEN38_TP4_GROUPED))  # every table entry
-def test_table_entries_are_used_as_written(tokens):
-    entry = configs._QWEN38_TP4_GROUPED[tokens]
-    # grouped_config fits what it returns; an entry that needed fitting would run with other
-    # splits than the ones measured
-    assert entry == entry.fitted(K)
-    assert configs.grouped_config(QWEN38_TP4_SHAPE, "fp16", tokens) == entry
-    assert 1 <= entry.w13_splits(K) <= MAX_SPLIT_K  # the workspace's partials region holds them
-    # the table was measured with the Gluon W13 (1-warp programs, a ring) on splits that tile K
-    assert entry.w13_ring_stages > 0 and entry.w13_warps == 1 and K % entry.w13_block_k == 0
+SHAPE = (QWEN38_TP4.num_experts, QWEN38_TP4.top_k, QWEN38_TP4.hidden_size, QWEN38_TP4.intermediate_size,
+         QWEN38_TP4.group_size)
+K = SHAPE[2]
+H200 = "NVIDIA H200"
 
 
-@pytest.mark.parametrize("tokens", sorted(configs._QWEN38_TP4_GROUPED_TL))  # every entry of the tl W13's table
-def test_without_the_gluon_w13_the_tl_table_is_used(tokens):
-    entry = configs._QWEN38_TP4_GROUPED_TL[tokens]
-    assert entry == entry.fitted(K) and entry.w13_ring_stages == 0
-    assert configs.grouped_config(QWEN38_TP4_SHAPE, "fp16", tokens, ring=False) == entry
-    assert configs.shape_key(QWEN38_TP4_SHAPE, "fp16", tokens, ring=False) != configs.shape_key(
-        QWEN38_TP4_SHAPE, "fp16", tokens)  # tuned with and without the ring: kept apart
+@pytest.fixture(autouse=True)
+def _no_tuned_configs():
+    """Every test sees the tables alone, and leaves no tuned config behind."""
+    config.forget_tuned()
+    yield
+    config.forget_tuned()
+
+
+def table_entries():
+    return [(key, entry) for table in config.tables() for key, entry in table.entries.items()]
+
+
+def test_every_table_file_is_read_whole_and_names_its_contract():
+    """Each entry of every table file is a valid config (an entry the loader would skip is a
+    typo in the data), keyed by a registered contract's shape."""
+    contracts = {c.name: c for c in registered_contracts()}
+    for path in sorted(config.TABLE_DIR.glob("grouped_*.json")):
+        data = json.loads(path.read_text())
+        contract = contracts[data["contract"]]
+        assert path.name == f"grouped_{contract.name}.json"
+        assert data["generator"] and data["default_gpu"]
+        assert len(config.read_entries(data["entries"])) == len(data["entries"]), path
+        shape = (contract.num_experts, contract.top_k, contract.hidden_size, contract.intermediate_size,
+                 contract.group_size)
+        assert {tuple(e["shape"]) for e in data["entries"]} == {shape}
+
+
+def test_the_qwen38_table_covers_both_families_and_dtypes_at_every_decode_count():
+    keys = {key for key, _ in table_entries() if key[0] == SHAPE}
+    assert keys == {(SHAPE, H200, family, dtype, M)
+                    for family in ("gluon", "tl") for dtype in ("fp16", "bf16") for M in range(1, 9)}
+
+
+@pytest.mark.parametrize("key,entry", table_entries(), ids=lambda v: "-".join(map(str, v[1:])) if isinstance(v, tuple) else "")
+def test_table_entries_are_used_as_written(key, entry):
+    shape, gpu, family, dtype, M = key
+    # grouped_config fits what it returns; an entry that needed fitting would run other splits than measured
+    assert entry == entry.fitted(shape[2])
+    assert config.grouped_config(shape, gpu, family, dtype, M) == entry
+    assert 1 <= entry.w13_splits(shape[2]) <= MAX_SPLIT_K  # the workspace's partials region holds them
+    if family == "tl":  # where Gluon does not run, the entries name no Gluon kernel
+        assert entry.w13_kernel == "tl" and entry.w2_kernel == "tl"
+    elif entry.w13_kernel == "gluon":  # measured on splits that tile K
+        assert shape[2] % entry.w13_block_k == 0
+
+
+def test_another_gpu_takes_the_default_gpus_entries():
+    for M in (2, 8):
+        assert config.grouped_config(SHAPE, "NVIDIA H100 80GB HBM3", "gluon", "fp16", M) == \
+            config.grouped_config(SHAPE, H200, "gluon", "fp16", M)
 
 
 def test_unlisted_shape_gets_the_fitted_default():
     shape = (64, 4, 1024, 96, 32)
-    assert configs.grouped_config(shape, "fp16", 3) == GroupedConfig().fitted(shape[2])
+    assert config.grouped_config(shape, H200, "gluon", "fp16", 3) == GroupedConfig().fitted(shape[2])
+    assert config.grouped_config(shape, H200, "tl", "fp16", 3) == GroupedConfig().as_tl().fitted(shape[2])
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(w13_kernel="ring"), "w13_kernel must be one of"),
+    (dict(w13_warps=2), "the Gluon W13 runs 1-warp programs"),
+    (dict(w13_ring_stages=0), "ring of at least one stage"),
+    (dict(w2_kernel="gluon", fused_combine=False), "the Gluon W2 fuses the combine"),
+    (dict(w2_copy_ahead=0), "must be at least 1, got 0"),
+    (dict(w2_copy_ahead=-1), "must be at least 1, got -1"),  # would index before the first chunk
+])
+def test_contradictory_configs_are_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        GroupedConfig(**fields)
 
 
 @pytest.mark.parametrize("capability, expected", [
@@ -49,114 +100,235 @@ def test_w2_register_cap_applies_from_hopper_on(capability, expected):
     assert GroupedConfig().w2_compile_options(capability) == {}  # no cap asked, none given
 
 
-@pytest.mark.parametrize("ring", [True, False])  # the Gluon W13 available (a GPU with Gluon) or not
-def test_candidates_hold_the_register_cap_only_where_it_applies(ring):
-    hopper, ampere = configs.grouped_candidates((9, 0), ring), configs.grouped_candidates((8, 0), ring)
-    tl_w2 = [c for c in hopper if not c.w2_ring]
-    assert len(set(hopper)) == len(hopper) and len(tl_w2) == 2 * len([c for c in ampere if not c.w2_ring])
+@pytest.mark.parametrize("family", ["gluon", "tl"])
+def test_candidates_hold_the_register_cap_only_where_it_applies(family):
+    hopper, ampere = config.grouped_candidates((9, 0), family), config.grouped_candidates((8, 0), family)
+    tl_w2 = [c for c in hopper if c.w2_kernel == "tl"]
+    assert len(set(hopper)) == len(hopper) and len(tl_w2) == 2 * len([c for c in ampere if c.w2_kernel == "tl"])
     assert {c.w2_max_registers for c in ampere} == {0}  # the cap is a no-op there: no duplicate timings
     assert set(ampere) < set(hopper)
 
 
-@pytest.mark.parametrize("ring", [True, False])  # the Gluon W13 available (a GPU with Gluon) or not
-def test_autotune_can_find_the_table_configs(ring):
+@pytest.mark.parametrize("family", ["gluon", "tl"])
+def test_autotune_can_find_the_table_configs(family):
     """Every qwen3.8-tp4 table entry is one of the autotune's candidates on Hopper (where the table
     was measured), so a search never loses to the table for want of trying it."""
-    candidates = set(configs.grouped_candidates((9, 0), ring))
-    for M in (2, 4, 8):
-        assert configs.grouped_config(configs.QWEN38_TP4_SHAPE, "fp16", M, ring) in candidates, M
+    candidates = set(config.grouped_candidates((9, 0), family))
+    for M in range(1, 9):
+        assert config.grouped_config(SHAPE, H200, family, "fp16", M) in candidates, M
 
 
-def test_candidates_ask_for_the_ring_only_where_it_runs():
-    with_ring, without = configs.grouped_candidates((9, 0), True), configs.grouped_candidates((9, 0), False)
-    # without Gluon a ring depth would silently time the tl kernel twice
-    assert {c.w13_ring_stages for c in without} == {0}
-    assert {c.w13_ring_stages for c in with_ring} == {2, 3, 4}
-    assert {c.w2_ring for c in without} == {False}  # nor the Gluon W2
+def test_candidates_name_the_gluon_kernels_only_where_they_run():
+    gluon, tl = config.grouped_candidates((9, 0), "gluon"), config.grouped_candidates((9, 0), "tl")
+    assert len(gluon) == 63 and len(tl) == 20
+    assert {(c.w13_kernel, c.w2_kernel) for c in tl} == {("tl", "tl")}
+    assert {c.w13_kernel for c in gluon} == {"gluon"} and {c.w13_ring_stages for c in gluon} == {2, 3, 4}
     gluon_w2 = {(c.w2_warps, c.w2_max_registers, c.w2_copy_ahead, c.max_shared_carveout)
-                for c in with_ring if c.w2_ring}
+                for c in gluon if c.w2_kernel == "gluon"}
     # (warps, register cap, chunks copied ahead, the largest carveout: the 4-warp W2 runs beside W13)
     assert gluon_w2 == {(4, 0, 3, True), (4, 128, 3, True), (8, 0, 2, False)}
-    assert not any(c.max_shared_carveout for c in with_ring + without if not c.w2_ring)
-    # the ring candidates' splits tile K = 2560 (no masked chunks) and need no fitting
-    assert all(K % c.w13_block_k == 0 and c == c.fitted(K) for c in with_ring)
+    assert not any(c.max_shared_carveout for c in gluon + tl if c.w2_kernel == "tl")
+    # the Gluon W13's splits tile K = 2560 (no masked chunks) and need no fitting
+    assert all(K % c.w13_block_k == 0 and c == c.fitted(K) for c in gluon)
 
 
 def test_tuned_cache_round_trip_and_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_GROUPED_DECODE_CACHE", str(tmp_path))
-    monkeypatch.setattr(configs, "_tuned", {})
-    monkeypatch.setattr(configs, "_loaded_files", set())
-    path = configs.cache_path("NVIDIA H200 (test)", "3.6.0")
+    path = config.cache_path("NVIDIA H200 (test)", "3.6.0")
     assert path.parent == tmp_path and " " not in path.name
-    assert configs.KERNELS_VERSION in path.name  # configs tuned for other kernels are not read back
-    tuned = GroupedConfig(w13_block_k=256, w2_warps=8, w2_max_registers=128, w2_ring=True, w2_copy_ahead=3)
-    key = configs.shape_key(QWEN38_TP4_SHAPE, "fp16", 4)
-    configs.store_tuned(path, key, tuned)
-    # a tuned entry wins over the table
-    assert configs.grouped_config(QWEN38_TP4_SHAPE, "fp16", 4) == tuned.fitted(K)
-    assert configs.grouped_config(QWEN38_TP4_SHAPE, "bf16", 4) == configs._QWEN38_TP4_GROUPED[4].fitted(K)
+    assert config.KERNELS_VERSION in path.name  # configs tuned for other kernels are not read back
+    tuned = GroupedConfig(w13_block_k=256, w2_kernel="gluon", w2_warps=8, w2_max_registers=128, w2_copy_ahead=3)
+    key = (SHAPE, H200, "gluon", "fp16", 4)
+    config.store_tuned(path, key, tuned)
+    # a tuned entry wins over the table, for its key only
+    assert config.grouped_config(*key) == tuned.fitted(K)
+    assert config.grouped_config(SHAPE, H200, "gluon", "bf16", 4) == config.table_config(SHAPE, H200, "gluon", "bf16", 4)
+    assert config.grouped_config(SHAPE, H200, "tl", "fp16", 4) == config.table_config(SHAPE, H200, "tl", "fp16", 4)
     # a fresh process reads it back; entries of another version of GroupedConfig are skipped
-    entries = json.loads(path.read_text())
-    entries["E1_k1_K32_N32_G32_fp16_M1"] = dict(dataclasses.asdict(tuned), field_of_the_future=1)
-    older = dataclasses.asdict(tuned)
-    del older["max_shared_carveout"]  # as v12's files before 3fbe300 hold them
-    entries["E1_k1_K32_N32_G32_fp16_M2"] = older
-    path.write_text(json.dumps(entries))
-    monkeypatch.setattr(configs, "_tuned", {})
-    monkeypatch.setattr(configs, "_loaded_files", set())
-    configs.load_tuned(path)
-    assert configs.tuned_config(QWEN38_TP4_SHAPE, "fp16", 4) == tuned
-    assert configs.tuned_config((1, 1, 32, 32, 32), "fp16", 1) is None
-    assert configs.tuned_config((1, 1, 32, 32, 32), "fp16", 2) is None
+    data = json.loads(path.read_text())
+    future = config.make_entry(((1, 1, 32, 32, 32), H200, "gluon", "fp16", 1), tuned)
+    future["config"]["field_of_the_future"] = 1
+    older = config.make_entry(((1, 1, 32, 32, 32), H200, "gluon", "fp16", 2), tuned)
+    del older["config"]["max_shared_carveout"]
+    data["entries"] += [future, older, {"shape": "garbage"}]
+    path.write_text(json.dumps(data))
+    config.forget_tuned()  # as a fresh process
+    config.load_tuned(path)
+    assert config.tuned_config(key) == tuned
+    assert config.tuned_config(((1, 1, 32, 32, 32), H200, "gluon", "fp16", 1)) is None
+    assert config.tuned_config(((1, 1, 32, 32, 32), H200, "gluon", "fp16", 2)) is None
 
 
-def test_corrupt_cache_file_is_ignored(tmp_path, monkeypatch):
-    monkeypatch.setattr(configs, "_tuned", {})
-    monkeypatch.setattr(configs, "_loaded_files", set())
+def test_corrupt_cache_file_is_ignored(tmp_path):
     path = tmp_path / "grouped_x.json"
     path.write_text("{not json")
-    configs.load_tuned(path)
-    assert configs._tuned == {}
+    config.load_tuned(path)
+    key = (SHAPE, H200, "gluon", "fp16", 2)
+    assert config.tuned_config(key) is None
+    assert config.grouped_config(*key) == config.table_config(*key)
 
 
-@pytest.mark.parametrize("capability, warps, stages, switch, expected", [
-    ((9, 0), 1, 4, None, True),  # a Hopper GPU, the default config: the Gluon W13
-    ((8, 0), 1, 2, None, True),  # Ampere as well (cp.async is sm_80; CI compiles it for sm_80)
-    ((0, 0), 1, 4, None, False),  # the interpreter (CPU CI): Gluon cannot run there
-    ((9, 0), 2, 4, None, False),  # 2-warp W13 programs: only the tl kernel has them
-    ((9, 0), 1, 0, None, False),  # a config without a ring
-    ((9, 0), 1, 4, "0", False),  # the rollback switch
+def qwen_plan(M, cfg, capability=(9, 0), **options):
+    return plan.grouped_plan(M, *SHAPE[1:], torch.float16, capability, cfg.fitted(K), **options)
+
+
+@pytest.mark.parametrize("capability, cfg, switch, expected", [
+    ((9, 0), GroupedConfig(), None, ("w13_gluon", "w2_tl")),  # a Hopper GPU, the default config
+    ((8, 0), GroupedConfig(), None, ("w13_gluon", "w2_tl")),  # Ampere as well (cp.async is sm_80)
+    ((0, 0), GroupedConfig(), None, ("w13_tl", "w2_tl")),  # the interpreter (CPU CI): Gluon cannot run
+    ((9, 0), GroupedConfig(w13_kernel="tl", w13_warps=2), None, ("w13_tl", "w2_tl")),  # 2-warp tl W13 programs
+    ((9, 0), GroupedConfig(w2_kernel="gluon", w2_warps=8), None, ("w13_gluon", "w2_gluon")),
+    ((9, 0), GroupedConfig(w2_kernel="gluon", w2_warps=8), "0", ("w13_tl", "w2_tl")),  # the rollback switch
+    # K // 8 = 320 int32 columns: 16-warp Gluon programs (1024 columns) do not tile them
+    ((9, 0), GroupedConfig(w2_kernel="gluon", w2_warps=16), None, ("w13_gluon", "w2_tl")),
 ])
-def test_which_w13_kernel_runs(monkeypatch, capability, warps, stages, switch, expected):
-    from moe_grouped_decode.env import GLUON_W13_ENV
-    from moe_grouped_decode.kernels import grouped, w13_ring
-
-    assert w13_ring.AVAILABLE  # CI's Triton has Gluon: otherwise every case below would say False
+def test_which_kernels_a_plan_launches(monkeypatch, capability, cfg, switch, expected):
+    assert gluon_helpers.AVAILABLE  # CI's Triton has Gluon: otherwise every case would be the tl kernels
     if switch is None:
         monkeypatch.delenv(GLUON_W13_ENV, raising=False)
     else:
         monkeypatch.setenv(GLUON_W13_ENV, switch)
-    assert grouped.uses_w13_ring(GroupedConfig(w13_warps=warps, w13_ring_stages=stages), capability) is expected
+    launches = qwen_plan(8, cfg, capability).launches
+    assert tuple(launch.name for launch in launches) == expected
 
 
-@pytest.mark.parametrize("ahead", [0, -1])  # 0: the edge; -1: would index before the first chunk
-def test_a_gluon_w2_without_a_chunk_copied_ahead_is_refused(ahead):
-    """The Gluon W2 was measured and tested with 1 or more chunks copied ahead of its mma (and a
-    negative count would index before its first chunk): a config (from a hand-edited tuning
-    cache, say) below that is refused before anything launches."""
-    import torch
+def test_plan_launch_arguments_match_the_kernels():
+    """Every launch names as many runtime arguments as its kernel takes, and every constexpr the
+    kernel declares (a constexpr the kernel never reads would be caught nowhere else)."""
+    configs = (GroupedConfig(), GroupedConfig(w2_kernel="gluon", w2_warps=8),
+               GroupedConfig(w13_kernel="tl", fused_combine=False))
+    for cfg in configs:
+        for launch in qwen_plan(4, cfg).launches:
+            params = launch.kernel.params
+            assert len(launch.args) == len([p for p in params if not p.is_constexpr]), launch.name
+            assert set(dict(launch.constexprs)) == {p.name for p in params if p.is_constexpr}, launch.name
+            assert all(name in plan.ARGUMENT_TYPES for name in launch.args)
 
-    from moe_grouped_decode.awq import synthetic_moe_weights
-    from moe_grouped_decode.kernels import grouped
-    from moe_grouped_decode.ops import alloc_workspace, workspace_views
 
-    E, hidden, N, G, M, k = 8, 64, 32, 32, 2, 3
-    gen = torch.Generator().manual_seed(0)
-    weights = synthetic_moe_weights(E, hidden, N, G, dtype=torch.float16, seed=0)
-    x = torch.randn(M, hidden, generator=gen).half()
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).int()
-    topk_weights = torch.rand(M, k, generator=gen)
-    views = workspace_views(alloc_workspace(M, k, hidden, N, "cpu"), M * k, hidden, N)
-    config = dataclasses.replace(GroupedConfig(w2_ring=True), w2_copy_ahead=ahead).fitted(hidden)
-    with pytest.raises(ValueError, match=rf"w2_copy_ahead \(the Gluon W2's .*\) must be at least 1, got {ahead}"):
-        grouped.grouped_decode(x, topk_weights, ids, *weights.op_args(), views, torch.empty_like(x), config)
+def test_every_constexpr_a_kernel_declares_is_read():
+    """No constexpr that its kernel never reads (each would only split binaries)."""
+    import inspect
+    import re
+
+    from moe_grouped_decode.kernels import combine, expert_sort, prefill, w13_gluon, w13_tl, w2_gluon, w2_tl
+
+    kernels = (w13_tl.w13_tl_kernel, w2_tl.w2_tl_kernel, w13_gluon.w13_gluon_kernel, w2_gluon.w2_gluon_kernel,
+               combine.combine_kernel, combine.combine_valid_kernel, prefill.w13_prefill_kernel,
+               prefill.w2_prefill_kernel, expert_sort.ranks_kernel, expert_sort.prefix_kernel,
+               expert_sort.groups_kernel, expert_sort.scatter_kernel)
+    for fn in (kernel.fn for kernel in kernels):
+        source = inspect.getsource(fn)
+        signature, body = source.split("):\n", 1)
+        for name in re.findall(r"(\w+): [tg]l\.constexpr", signature):
+            assert re.search(rf"\b{name}\b", body), f"{fn.__name__}: {name} is never read"
+
+
+def test_plan_grids_and_stages():
+    cfg = GroupedConfig(w2_kernel="gluon", w2_warps=8, w13_block_k=512, w13_ring_stages=3)
+    full = qwen_plan(8, cfg)
+    w13, w2 = full.launches
+    assert w13.grid == (1 + 80 * 5 * 5,)  # program 0 + (rows, splits, column tiles)
+    assert w2.grid == (80, 5)  # (rows, 512-column tiles of K = 2560)
+    assert full.num_arrivals == 8 * 5
+    assert [launch.stage for launch in qwen_plan(8, cfg, stages=("w2",)).launches] == ["w2"]
+    three = qwen_plan(8, GroupedConfig(fused_combine=False))
+    assert [launch.name for launch in three.launches] == ["w13_gluon", "w2_tl", "combine"]
+    assert three.num_arrivals == 0
+    with pytest.raises(ValueError, match="unknown stages"):
+        qwen_plan(8, cfg, stages=("w3",))
+    with pytest.raises(ValueError, match="needs a GPU"):
+        qwen_plan(8, cfg, capability=(0, 0), timeline=True)
+    with pytest.raises(RuntimeError, match="compute capability 8.0 or newer"):
+        qwen_plan(8, cfg, capability=(7, 0))
+
+
+def test_largest_carveout_launches_binaries_of_their_own():
+    """A config that prefers the largest carveout launches other JIT functions than the same config
+    without it (carveout.py: the preference sticks to a compiled kernel)."""
+    table = GroupedConfig(w2_kernel="gluon", max_shared_carveout=True)
+    without = dataclasses.replace(table, max_shared_carveout=False)
+    with_launches, without_launches = qwen_plan(2, table).launches, qwen_plan(2, without).launches
+    assert [launch.max_shared_carveout for launch in with_launches] == [True, True]
+    assert [launch.max_shared_carveout for launch in without_launches] == [False, False]
+    for a, b in zip(with_launches, without_launches):
+        assert a.name == b.name and a.kernel is not b.kernel and a.constexprs == b.constexprs
+    # the interpreter runs no CUfunction: no preference to give
+    assert not any(launch.max_shared_carveout for launch in qwen_plan(2, table, capability=(0, 0)).launches)
+
+
+# --------------------------------------------------------------------------- the prefill route
+
+
+def test_prefill_table_buckets_and_fallbacks():
+    """An entry serves every M up to its own; above the last, the last; another GPU takes the
+    default GPU's entries; a shape with no table the defaults."""
+    from moe_grouped_decode.kernels.config import PrefillConfig, prefill_config
+
+    data = json.loads((config.TABLE_DIR / "prefill_qwen3.8-tp4.json").read_text())
+    bounds = sorted({e["M"] for e in data["entries"] if e["dtype"] == "fp16"})
+    for M in (1, bounds[0], bounds[0] + 1, bounds[-1], 4 * bounds[-1]):
+        want = next((e for e in sorted(data["entries"], key=lambda e: e["M"])
+                     if e["dtype"] == "fp16" and e["M"] >= M), None) or max(
+            (e for e in data["entries"] if e["dtype"] == "fp16"), key=lambda e: e["M"])
+        assert prefill_config(SHAPE, H200, "fp16", M) == PrefillConfig(**want["config"])
+        assert prefill_config(SHAPE, "NVIDIA H100 80GB HBM3", "fp16", M) == prefill_config(SHAPE, H200, "fp16", M)
+    assert prefill_config((64, 4, 1024, 96, 32), H200, "fp16", 3) == PrefillConfig()
+    with pytest.raises(ValueError, match="token_blocks must be 1, 2 or 4"):
+        PrefillConfig(token_blocks=3)
+
+
+@pytest.mark.parametrize("cfg", [plan.PrefillConfig(), plan.PrefillConfig(token_blocks=4, w13_warps=8, w2_warps=8)])
+def test_prefill_plan_launches_match_the_kernels(cfg):
+    """Every prefill launch names as many runtime arguments as its kernel takes, every constexpr
+    it declares, and only scratch regions the plan lays out (aligned, inside the scratch)."""
+    prefill = plan.prefill_plan(300, 10, 512, 2560, 160, 32, torch.bfloat16, (9, 0), cfg)
+    assert [launch.stage for launch in prefill.launches] == ["sort"] * 4 + ["w13", "w2", "combine"]
+    regions = {name for name, *_ in prefill.regions}
+    for launch in prefill.launches:
+        params = launch.kernel.params
+        assert len(launch.args) == len([p for p in params if not p.is_constexpr]), launch.name
+        assert set(dict(launch.constexprs)) == {p.name for p in params if p.is_constexpr}, launch.name
+        assert all(name in plan.ARGUMENT_TYPES for name in launch.args)
+    scratch = torch.zeros(prefill.scratch_numel, dtype=torch.int32)
+    views = prefill.scratch_views(scratch)
+    assert set(views) == regions
+    assert views["row_out16"].shape == (3000, 2560) and views["row_out16"].dtype == torch.bfloat16
+    assert views["act16"].shape == (3000, 160)
+    for name, offset, shape, half in prefill.regions:
+        assert offset % 16 == 0  # 64-byte aligned
+    # the W13 grid covers the largest possible number of groups, five 32-column tiles each
+    groups = -(-3000 // cfg.group_rows) + 512
+    assert next(lu for lu in prefill.launches if lu.stage == "w13").grid == (groups * 5,)
+
+
+def test_write_routes_takes_the_grouped_ops_run_from_the_smallest_m(tmp_path):
+    from moe_grouped_decode.benchmarking.bench import write_routes
+    from moe_grouped_decode.contract import ROUTES_PATH, grouped_tokens
+
+    path = tmp_path / "routes.json"
+    path.write_text(ROUTES_PATH.read_text())
+    rows = [{"M": 1, "grouped_us": 8.0, "prefill_us": 30.0}, {"M": 32, "grouped_us": 80.0, "prefill_us": 120.0},
+            {"M": 64, "grouped_us": 180.0, "prefill_us": 170.0}, {"M": 128, "grouped_us": 150.0, "prefill_us": 200.0},
+            {"M": 256, "prefill_us": 260.0}]
+    result = {"contract": "qwen3.8-tp4", "gpu": "NVIDIA B200", "rows": rows}
+    assert write_routes(result, path) == (1, 32)  # 64 breaks the run; 128's win after it does not count
+    table = json.loads(path.read_text())
+    assert grouped_tokens("qwen3.8-tp4", "NVIDIA B200", table) == (1, 32)
+    assert grouped_tokens("qwen3.8-tp4", H200, table) == grouped_tokens("qwen3.8-tp4", H200)  # others kept
+
+
+def test_prefill_warmup_counts_compile_every_binary_a_count_launches():
+    """Warming the prefill route at ``prefill_warmup_counts(N)`` compiles every (kernel,
+    constexprs, options) any M up to N launches: nothing left to compile while serving."""
+    from moe_grouped_decode.kernels.config import prefill_config
+    from moe_grouped_decode.ops.cuda import prefill_warmup_counts
+
+    def binaries(M):
+        cfg = prefill_config(SHAPE, H200, "fp16", M)
+        launches = plan.prefill_plan(M, 10, 512, 2560, 160, 32, torch.float16, (9, 0), cfg).launches
+        return {(launch.name, launch.constexprs, launch.options) for launch in launches}
+
+    N = 3000
+    warmed = set().union(*(binaries(M) for M in prefill_warmup_counts(N)))
+    for M in list(range(1, N + 1, 37)) + [2, 511, 512, 513, 1025, N - 1, N]:
+        assert binaries(M) <= warmed, M

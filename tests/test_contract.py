@@ -1,45 +1,79 @@
 """Shape contracts: the one admission function at every boundary."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from moe_grouped_decode.contract import (
     QWEN38_TP4,
+    ROUTES_PATH,
     LayerShape,
     ShapeContract,
     admits,
     admitted_window,
+    apply_route_table,
     contract_registered,
     contracts_fingerprint,
+    grouped_tokens,
     register_contract,
     registered_contracts,
 )
 
 QWEN = LayerShape(num_experts=512, top_k=10, hidden_size=2560, intermediate_size=160, group_size=32, dtype=torch.float16)
+LO, HI = QWEN38_TP4.min_tokens, QWEN38_TP4.max_tokens  # the measured route table's grouped window
 
 
 def test_qwen38_tp4_preset():
     c = QWEN38_TP4
     assert (c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size) == (512, 10, 2560, 160, 32)
-    assert (c.min_tokens, c.max_tokens) == (2, 8)
+    assert (c.min_tokens, c.max_tokens) == grouped_tokens("qwen3.8-tp4")  # from routes.json
     assert c.dtypes == (torch.float16, torch.bfloat16)
-    assert c.max_rows == 80
+    assert c.max_rows == 10 * c.max_tokens
     assert QWEN38_TP4 in registered_contracts()
+
+
+def test_route_table_names_a_window_for_its_default_gpu_and_falls_back_to_it():
+    table = json.loads(ROUTES_PATH.read_text())
+    for name, entry in table.items():
+        assert entry["generator"] and entry["default_gpu"] in entry["gpus"]
+        for gpu, route in entry["gpus"].items():
+            lo, hi = route["grouped_tokens"]
+            assert 1 <= lo <= hi
+            assert grouped_tokens(name, gpu) == (lo, hi)
+        assert grouped_tokens(name, "a GPU with no entry") == grouped_tokens(name)
+
+
+def _contract_window_in_a_fresh_process(window):
+    env = {k: v for k, v in os.environ.items() if k != "MOE_GROUPED_DECODE_WINDOW"}
+    if window is not None:
+        env["MOE_GROUPED_DECODE_WINDOW"] = window
+    code = "from moe_grouped_decode.contract import QWEN38_TP4 as c; print(c.min_tokens, c.max_tokens)"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def test_the_seed_window_is_a_setting():
+    """MOE_GROUPED_DECODE_WINDOW=2..8 gives back the seeds' window (read when the contracts are
+    built, at import); a malformed value fails naming the variable."""
+    assert _contract_window_in_a_fresh_process("2..8").stdout.split() == ["2", "8"]
+    assert _contract_window_in_a_fresh_process(None).stdout.split() == [str(LO), str(HI)]
+    bad = _contract_window_in_a_fresh_process("8..2")
+    assert bad.returncode != 0 and "MOE_GROUPED_DECODE_WINDOW='8..2'" in bad.stderr
 
 
 @pytest.mark.parametrize(
     "tokens,admitted",
     [
         (0, False),  # empty step
-        (1, False),  # C1 keeps the dense route
-        (2, True),  # bottom of the window
-        (8, True),  # top of the window
-        (9, False),  # just past it
-        (32, False),
-        (127, False),
-        (128, False),  # prefill-sized
+        (LO - 1, False),  # just below the window (no count when it starts at 1)
+        (LO, True),  # bottom of the window
+        (HI, True),  # top of the window
+        (HI + 1, False),  # just past it: the prefill route
+        (4 * HI, False),  # prefill-sized
     ],
 )
 def test_token_window_boundaries(tokens, admitted):
@@ -48,7 +82,7 @@ def test_token_window_boundaries(tokens, admitted):
     if admitted:
         assert result.contract is QWEN38_TP4
     else:
-        assert "outside window 2..8" in result.reason
+        assert f"outside window {LO}..{HI}" in result.reason
 
 
 @pytest.mark.parametrize(
@@ -81,10 +115,9 @@ def test_shape_only_question():
 @pytest.mark.parametrize(
     "token_range,admitted",
     [
-        ((2, 8), True),  # exactly the window: a compile range for decode
-        ((4, 4), True),
-        ((1, 8), False),  # includes C1
-        ((2, 9), False),
+        ((LO, HI), True),  # exactly the window: a compile range of its own
+        ((HI, HI), True),
+        ((LO, HI + 1), False),
         ((1, 8192), False),  # vLLM's default whole range
     ],
 )
@@ -119,6 +152,7 @@ def test_registry_add_remove_and_fingerprint():
         (dict(min_tokens=5, max_tokens=4), "token window"),
         (dict(hidden_size=48), "multiple of group_size"),  # 48 % 32
         (dict(intermediate_size=36, group_size=4), "multiple of group_size=4 and of 8"),  # 36 % 8
+        (dict(hidden_size=80, intermediate_size=48, group_size=16), "must be multiples of 32"),  # the kernels' chunks
     ],
 )
 def test_invalid_contracts_raise(kwargs, match):
@@ -138,12 +172,10 @@ def test_layer_shape_from_tensors():
 @pytest.mark.parametrize(
     "token_range,window",
     [
-        ((1, 8192), (2, 8)),  # vLLM's whole range: the grouped route runs inside the window only
-        ((1, 4), (2, 4)),  # a range reaching below the window
-        ((6, 20), (6, 8)),  # a range reaching above it
-        ((3, 5), (3, 5)),  # a range inside it is its own window
-        ((1, 1), None),  # C1 only: nothing admitted
-        ((9, 64), None),  # past the window
+        ((1, 8192), (LO, HI)),  # vLLM's whole range: the grouped route runs inside the window only
+        ((HI - 1, HI + 20), (HI - 1, HI)),  # a range reaching above it
+        ((LO, LO + 1), (LO, LO + 1)),  # a range inside it is its own window
+        ((HI + 1, 8192), None),  # past the window: the prefill route only
     ],
 )
 def test_admitted_window(token_range, window):
@@ -152,3 +184,17 @@ def test_admitted_window(token_range, window):
 
 def test_admitted_window_needs_a_matching_shape():
     assert admitted_window(dataclasses.replace(QWEN, top_k=8), (1, 8192)) is None
+
+
+def test_a_gpu_with_its_own_route_entry_gets_its_window():
+    """apply_route_table (the vLLM plugin calls it with the GPU's name) re-registers the shipped
+    contract with that GPU's window; the default GPU's window is restored after."""
+    table = json.loads(ROUTES_PATH.read_text())
+    table["qwen3.8-tp4"]["gpus"]["NVIDIA B200"] = {"grouped_tokens": [1, 16]}
+    try:
+        apply_route_table("NVIDIA B200", table)
+        assert admits(QWEN, 16) and not admits(QWEN, 17)
+        assert "outside window 1..16" in admits(QWEN, 17).reason
+    finally:
+        apply_route_table(None)
+    assert admits(QWEN, HI).contract is QWEN38_TP4  # the very object the import registered

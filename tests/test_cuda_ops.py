@@ -19,8 +19,8 @@ import torch
 from moe_grouped_decode.awq import slice_tp, synthetic_moe_weights
 from moe_grouped_decode.contract import QWEN38_TP4
 from moe_grouped_decode.env import GLUON_W13_ENV
-from moe_grouped_decode.kernels import configs, w13_ring, w2_ring
-from moe_grouped_decode.ops import alloc_workspace, error_stats, reference_moe, reference_segments, workspace_views
+from moe_grouped_decode.kernels import gluon_helpers
+from moe_grouped_decode.ops import alloc_workspace, error_stats, grouped_plan_for, launch_grouped, reference_moe
 
 pytestmark = [
     pytest.mark.cuda,
@@ -84,21 +84,24 @@ def poison_allocator(numel: int, dtype) -> None:
 
 
 def assert_close(name: str, out: torch.Tensor, x, tw, ids, cpu_weights) -> None:
-    ref = reference_moe(x.cpu(), tw.cpu(), ids.cpu(), *cpu_weights.op_args())
+    ref = reference_moe(x.cpu(), tw.cpu(), ids.cpu(), cpu_weights)
     stats = error_stats(out, ref)
     STATS.append({"case": name, **stats.row(), "nan": stats.nan})
     assert not stats.nan, f"{name}: NaN in output"
     assert stats.scaled_max_abs <= BOUND[out.dtype], f"{name}: {stats}"
 
 
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # the launch-config tables' dtype names
+def table_config(weights, M: int, **changes):
+    """The launch config the op picks for the contract's shape at M (the table's entry, no tuning
+    cache here), with ``changes``, fitted to K."""
+    x = torch.empty(M, K, dtype=weights.dtype, device="cuda")
+    ids = torch.empty(M, TOP_K, dtype=torch.int32, device="cuda")
+    return dataclasses.replace(grouped_plan_for(x, ids, weights).config, **changes).fitted(K)
 
 
-def table_config(dtype, M: int, **changes):
-    """The launch config the op picks for the contract's shape at M (the table's entry where there
-    is one, no tuning cache here), with ``changes``, fitted to K."""
-    config = configs.grouped_config((E, TOP_K, K, N, G), DTYPE_NAMES[dtype], M)
-    return dataclasses.replace(config, **changes).fitted(K)
+def kernel_names(launched) -> list:
+    """The kernels a launch_grouped call ran, by their JIT functions' names."""
+    return [kernel.name for kernel in launched]
 
 
 def run_grouped(x, tw, ids, weights, workspace):
@@ -107,8 +110,8 @@ def run_grouped(x, tw, ids, weights, workspace):
     return grouped_op(x, tw, ids, *weights.op_args(), workspace)
 
 
-# M = 1..9 crosses the admitted window 2..8 on both sides; 16 and 64 (R = 160 and 640
-# rows) sort past 128 rows in the compaction program and launch W13 grids of 8k-32k programs
+# M = 1..9 crosses the launch table's entries and the seeds' window 2..8; 16 and 64 (R = 160 and
+# 640 rows, the grouped window's top) launch W13 grids of 8k-32k programs
 GROUPED_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 64]
 
 
@@ -121,13 +124,6 @@ def test_grouped_matches_reference(layer, workspace, M, pattern):
     ids, tw = routing(pattern, M, gen)
     out = run_grouped(x, tw, ids, weights, workspace)
     assert_close(f"grouped {weights.dtype} M={M} {pattern}", out, x, tw, ids, cpu_weights)
-    # the compaction left in the workspace is the reference's
-    views = workspace_views(workspace, M * TOP_K, K, N)
-    want = reference_segments(ids)
-    A = int(views.live_count[0])
-    assert views.active_experts[:A].tolist() == want.active_experts
-    assert views.segment_offsets[: A + 1].tolist() == want.segment_offsets
-    assert views.sorted_rows[: M * TOP_K].tolist() == want.sorted_rows
 
 
 # small M (decode sizes, C1), mid sizes, and prefill sizes where blocks fill up
@@ -239,7 +235,7 @@ def test_position_and_neighbour_independence(layer, workspace):
 
 # (fused_combine, pdl): why
 LAUNCH_VARIANTS = [
-    (False, False),  # three plain launches (W13, W2, combine): the v4 structure
+    (False, False),  # three plain launches (W13, W2, combine)
     (False, True),  # three launches chained by programmatic dependent launch
     (True, False),  # the combine inside W2 (arrival counters), plain launches
 ]
@@ -249,28 +245,27 @@ LAUNCH_VARIANTS = [
 def test_launch_variants_give_the_default_bits(layer, workspace, fused_combine, pdl):
     """Fusing the combine and PDL change launches, not arithmetic: the same bits as the
     default launches (fused + PDL) at M = 8's table config with the tl W2 (the Gluon W2 runs only
-    with the combine fused; test_ring_w2_gives_the_tl_kernels_bits covers it), on routing where
+    with the combine fused; test_gluon_w2_gives_the_tl_kernels_bits covers it), on routing where
     tokens share experts."""
-    from moe_grouped_decode.ops.cuda import launch_grouped
-
     weights, _ = layer
     gen = torch.Generator().manual_seed(5)
     M = 8
     x = activations(M, weights.dtype, gen)
     ids, tw = routing("round_robin", M, gen)
-    default = table_config(weights.dtype, M, w2_ring=False)
+    default = table_config(weights, M, w2_kernel="tl")
     outs = []
     for config in (default, dataclasses.replace(default, fused_combine=fused_combine, pdl=pdl)):
         out = torch.full_like(x, float("nan"))
         workspace.fill_(-1)
-        launch_grouped(x, tw, ids, *weights.op_args(), workspace, out, config)
+        launched = launch_grouped(x, tw, ids, weights, workspace, out, config)
+        assert len(launched) == (2 if config.fused_combine else 3)
         outs.append(out)
     assert not torch.isnan(outs[0]).any()
     assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16))
 
 
 # (M, W13 split rows): why
-RING_CASES = [
+GLUON_W13_CASES = [
     (2, 256),  # M = 2's table split: 10 splits that tile K, 8 chunks each
     (8, 512),  # M = 8's: 16 chunks per split, deeper than any ring
     (5, 384),  # a split that does not tile K = 2560: the last split's chunks past K are masked and zeroed
@@ -278,139 +273,129 @@ RING_CASES = [
 
 
 def _gluon_vs_tl_case(layer, M, seed, monkeypatch, **changes):
-    """The inputs of a Gluon-against-tl bits test: the Gluon switch at its default (off, every run
-    would be the tl one), activations and round-robin routing (tokens share experts) drawn from
-    ``seed``, and the table's config at M with ``changes``, fitted to K."""
+    """The inputs of a Gluon-against-tl bits test: the Gluon switch at its default (on; off, every
+    run would be the tl one), activations and round-robin routing (tokens share experts) drawn
+    from ``seed``, and the table's config at M with ``changes``, fitted to K."""
     monkeypatch.delenv(GLUON_W13_ENV, raising=False)
     gen = torch.Generator().manual_seed(seed)
     x = activations(M, layer[0].dtype, gen)
     ids, tw = routing("round_robin", M, gen)
-    return x, tw, ids, table_config(layer[0].dtype, M, **changes)
+    return x, tw, ids, table_config(layer[0], M, **changes)
 
 
-@pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")
-@pytest.mark.parametrize("M,split", RING_CASES)
-def test_ring_w13_gives_the_tl_kernels_bits(layer, workspace, M, split, monkeypatch):
-    """The Gluon W13 (kernels/w13_ring.py: loads staged in shared memory) runs the tl W13's
+@pytest.mark.skipif(not gluon_helpers.AVAILABLE, reason="needs Triton's Gluon")
+@pytest.mark.parametrize("M,split", GLUON_W13_CASES)
+def test_gluon_w13_gives_the_tl_kernels_bits(layer, workspace, M, split, monkeypatch):
+    """The Gluon W13 (kernels/w13_gluon.py: loads staged in shared memory) runs the tl W13's
     fragments and sums: the same bits at the same split, for rings shallower and deeper than
     the table's, on routing where tokens share experts."""
-    from moe_grouped_decode.kernels import cuda_capability, grouped
-    from moe_grouped_decode.ops.cuda import launch_grouped
-
     weights, _ = layer
     x, tw, ids, base = _gluon_vs_tl_case(layer, M, 7 + M, monkeypatch, w13_block_k=split)
     outs = {}
     for stages in (0, 2, 3, 4):
-        config = dataclasses.replace(base, w13_ring_stages=stages)
-        assert grouped.uses_w13_ring(config, cuda_capability(x.device)) == (stages > 0)
+        config = dataclasses.replace(base, w13_kernel="gluon" if stages else "tl", w13_ring_stages=max(stages, 1))
         out = torch.full_like(x, float("nan"))
         workspace.fill_(-1)
-        launch_grouped(x, tw, ids, *weights.op_args(), workspace, out, config)
+        launched = launch_grouped(x, tw, ids, weights, workspace, out, config)
+        assert kernel_names(launched)[0] == ("_w13_gluon" if stages else "_w13_tl")
         outs[stages] = out
     assert not torch.isnan(outs[0]).any()
     for stages in (2, 3, 4):
         assert torch.equal(outs[stages].view(torch.int16), outs[0].view(torch.int16)), f"ring {stages}"
 
 
-class _WithRnScale:
-    """The tl W2 kernel launched with RN_SCALE: its scale multiply rounded on its own, as the
-    Gluon W2's is (the shipped tl W2 lets ptxas fuse it into the accumulate)."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.kernel[grid](*args, RN_SCALE=True, **kwargs)
-
-
-# (M, W2 warps, W13 ring stages, chunks copied ahead or None for the table's, activations as a
-# hi + lo pair): why
-W2_RING_CASES = [
-    (8, 8, 3, None, False),  # M = 8's table config: after the Gluon W13, so the W2 launch writes the compaction
+# (M, W2 warps, W13 ring stages (0: the tl W13), chunks copied ahead or None for the table's,
+# activations as a hi + lo pair): why
+GLUON_W2_CASES = [
+    (8, 8, 3, None, False),  # M = 8's table config, after the Gluon W13
     (8, 8, 2, 1, False),  # the weight copies one chunk ahead of the mma (one copy group in flight)
-    (8, 8, 2, 8, False),  # more chunks ahead than there are (5): the host clamps, all copies before the wait
+    (8, 8, 2, 8, False),  # more chunks ahead than there are (5): the plan clamps, all copies before the wait
     (2, 4, 4, 3, False),  # 4-warp programs, 20 rows, three chunks ahead
-    (5, 8, 0, 4, False),  # after the tl W13 (it sorts: no compaction row), a token count off the table
+    (5, 8, 0, 4, False),  # after the tl W13
     (8, 8, 2, None, True),  # the activations as a hi + lo pair: two mma per chunk
     (3, 4, 4, 2, True),  # the same with 4-warp programs, 30 rows
 ]
 
 
-@pytest.mark.skipif(not w2_ring.AVAILABLE, reason="needs Triton's Gluon")
-@pytest.mark.parametrize("M,warps,stages,ahead,act_split", W2_RING_CASES)
+@pytest.mark.skipif(not gluon_helpers.AVAILABLE, reason="needs Triton's Gluon")
+@pytest.mark.parametrize("M,warps,stages,ahead,act_split", GLUON_W2_CASES)
 @pytest.mark.parametrize("pdl", [True, False])  # without PDL the launches are plain (pre-Hopper, the pdl switch)
-def test_ring_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, ahead, act_split, pdl, monkeypatch):
-    """The Gluon W2 (kernels/w2_ring.py: weights staged in shared memory) runs the tl W2's
-    fragments, sums and combine: the same bits as the tl W2 with RN_SCALE, on routing where tokens
-    share experts; its compaction (counted, not sorted) is the reference's."""
-    from moe_grouped_decode.kernels import cuda_capability, grouped
-    from moe_grouped_decode.ops.cuda import launch_grouped
-
+def test_gluon_w2_gives_the_tl_kernels_bits(layer, workspace, M, warps, stages, ahead, act_split, pdl, monkeypatch):
+    """The Gluon W2 (kernels/w2_gluon.py: weights staged in shared memory) runs the tl W2's
+    fragments, sums and combine: the same bits as the tl W2 built with RN_SCALE (the plan's
+    ``w2_rn_scale``), on routing where tokens share experts."""
     weights, cpu_weights = layer
     ahead = {} if ahead is None else {"w2_copy_ahead": ahead}
     x, tw, ids, base = _gluon_vs_tl_case(layer, M, 17 + M, monkeypatch, w2_warps=warps, w2_max_registers=0,
-                                         w13_ring_stages=stages, w2_act_split=act_split, pdl=pdl, **ahead)
-    want = reference_segments(ids)
+                                         w13_kernel="gluon" if stages else "tl", w13_ring_stages=max(stages, 1),
+                                         w2_act_split=act_split, pdl=pdl, **ahead)
     outs = {}
-    for ring in (False, True):
-        config = dataclasses.replace(base, w2_ring=ring)
-        assert grouped.uses_w2_ring(config, cuda_capability(x.device), K) == ring
+    for kernel in ("tl", "gluon"):
+        config = dataclasses.replace(base, w2_kernel=kernel)
         out = torch.full_like(x, float("nan"))
         workspace.fill_(-1)
-        with monkeypatch.context() as patch:
-            if not ring:
-                patch.setattr(grouped, "_w2_rows_kernel", _WithRnScale(grouped._w2_rows_kernel))
-            launch_grouped(x, tw, ids, *weights.op_args(), workspace, out, config)
-        outs[ring] = out
-        views = workspace_views(workspace, M * TOP_K, K, N)
-        A = int(views.live_count[0])
-        assert views.active_experts[:A].tolist() == want.active_experts, f"w2_ring={ring}"
-        assert views.segment_offsets[: A + 1].tolist() == want.segment_offsets, f"w2_ring={ring}"
-        assert views.sorted_rows[: M * TOP_K].tolist() == want.sorted_rows, f"w2_ring={ring}"
-    assert not torch.isnan(outs[False]).any()
-    assert torch.equal(outs[True].view(torch.int16), outs[False].view(torch.int16))
-    assert_close(f"grouped {weights.dtype} M={M} Gluon W2 ({warps} warps)", outs[True], x, tw, ids, cpu_weights)
+        launched = launch_grouped(x, tw, ids, weights, workspace, out, config, w2_rn_scale=kernel == "tl")
+        assert kernel_names(launched)[1] == f"_w2_{kernel}"
+        outs[kernel] = out
+    assert not torch.isnan(outs["tl"]).any()
+    assert torch.equal(outs["gluon"].view(torch.int16), outs["tl"].view(torch.int16))
+    assert_close(f"grouped {weights.dtype} M={M} Gluon W2 ({warps} warps)", outs["gluon"], x, tw, ids, cpu_weights)
 
 
-@pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")
-def test_gluon_switch_off_runs_the_tl_w13(layer, workspace, monkeypatch):
-    """VLLM_AWQ_MOE_GROUPED_DECODE_GLUON=0 (the rollback): the op launches neither Gluon kernel
+def test_rn_scale_changes_only_the_tl_w2s_rounding(layer, workspace):
+    """w2_rn_scale (a lab switch of the plan) gives the tl W2 the Gluon W2's scale rounding: it
+    moves an output by at most the rounding of its last bits (the float32 scale multiply rounded
+    on its own instead of fused into the accumulate), and it is off by default."""
+    weights, _ = layer
+    gen = torch.Generator().manual_seed(31)
+    x = activations(4, weights.dtype, gen)
+    ids, tw = routing("random", 4, gen)
+    config = table_config(weights, 4, w2_kernel="tl")
+    outs = []
+    for rn_scale in (False, True):
+        out = torch.full_like(x, float("nan"))
+        launch_grouped(x, tw, ids, weights, workspace, out, config, w2_rn_scale=rn_scale)
+        outs.append(out)
+    assert not torch.isnan(outs[1]).any()
+    assert error_stats(outs[1], outs[0].double()).max_ulp <= 2
+    assert dict(grouped_plan_for(x, ids, weights, config).launch_for("w2").constexprs)["RN_SCALE"] is False
+
+
+@pytest.mark.skipif(not gluon_helpers.AVAILABLE, reason="needs Triton's Gluon")
+def test_gluon_switch_off_runs_the_tl_kernels(layer, workspace, monkeypatch):
+    """MOE_GROUPED_DECODE_GLUON=0 (the rollback): the op launches neither Gluon kernel
     and still matches the reference, also when launched with the Gluon table's M = 8 config
     (a Gluon W13 ring and the Gluon W2), which the switch overrides."""
-    from moe_grouped_decode.ops.cuda import launch_grouped
-
-    class Forbidden:
-        def __getitem__(self, grid):
-            raise AssertionError("a Gluon kernel was launched with the switch off")
-
     monkeypatch.setenv(GLUON_W13_ENV, "0")
-    monkeypatch.setattr(w13_ring, "w13_ring_kernel", Forbidden())
-    monkeypatch.setattr(w2_ring, "w2_ring_kernel", Forbidden())
     weights, cpu_weights = layer
     gen = torch.Generator().manual_seed(11)
     x = activations(8, weights.dtype, gen)
     ids, tw = routing("random", 8, gen)
     out = run_grouped(x, tw, ids, weights, workspace)
     assert_close(f"grouped {weights.dtype} M=8 tl W13 (switch off)", out, x, tw, ids, cpu_weights)
-    gluon_config = table_config(weights.dtype, 8)
-    assert gluon_config.w2_ring and gluon_config.w13_ring_stages > 0
+    assert [launch.name for launch in grouped_plan_for(x, ids, weights).launches] == ["w13_tl", "w2_tl"]
+    monkeypatch.delenv(GLUON_W13_ENV)
+    gluon_config = table_config(weights, 8)
+    assert gluon_config.w2_kernel == "gluon" and gluon_config.w13_kernel == "gluon"
+    monkeypatch.setenv(GLUON_W13_ENV, "0")
     out = torch.full_like(x, float("nan"))
     workspace.fill_(-1)
-    launch_grouped(x, tw, ids, *weights.op_args(), workspace, out, gluon_config)
+    launched = launch_grouped(x, tw, ids, weights, workspace, out, gluon_config)
+    assert kernel_names(launched) == ["_w13_tl", "_w2_tl"]
     assert_close(f"grouped {weights.dtype} M=8 Gluon table config (switch off)", out, x, tw, ids, cpu_weights)
 
 
 @pytest.mark.parametrize("stages", [
-    0,  # the tl W13 (what runs without Gluon): its stamps, and program 0's sort
-    # the Gluon W13 at M = 8's table ring depth: the stamped build whose registers let W2 beside it (run 81)
-    pytest.param(3, marks=pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")),
+    0,  # the tl W13 (what runs without Gluon)
+    # the Gluon W13 at M = 8's table ring depth
+    pytest.param(3, marks=pytest.mark.skipif(not gluon_helpers.AVAILABLE, reason="needs Triton's Gluon")),
 ])
 def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages, monkeypatch):
     """benchmarks/timeline.py's stamps (kernels/timeline.py): the op gives the same bits with them,
     every program stamps every point, in order, and the SM it ran on; no W2 program gets past the
     PDL wait before the last W13 program has stamped its end. A wrongly sized timeline is refused."""
-    from moe_grouped_decode.kernels import cuda_capability, grouped
-    from moe_grouped_decode.kernels.timeline import W2_STAMPS, W13_STAMPS, Timeline
+    from moe_grouped_decode.benchmarking.stamps import alloc_stamps
+    from moe_grouped_decode.kernels.timeline import W2_STAMPS, W13_STAMPS
 
     monkeypatch.delenv(GLUON_W13_ENV, raising=False)
     weights, _ = layer
@@ -418,50 +403,47 @@ def test_timeline_stamps_are_causal_and_change_no_bits(layer, workspace, stages,
     gen = torch.Generator().manual_seed(23)
     x = activations(M, weights.dtype, gen)
     ids, tw = routing("random", M, gen)
-    config = table_config(weights.dtype, M, w13_ring_stages=stages)
-    assert grouped.uses_w13_ring(config, cuda_capability(x.device)) == (stages > 0)
-    views = workspace_views(workspace, M * TOP_K, K, N)
+    config = table_config(weights, M, w13_kernel="gluon" if stages else "tl", w13_ring_stages=max(stages, 1))
+    plan = grouped_plan_for(x, ids, weights, config, timeline=True)
+    assert plan.launches[0].name == ("w13_gluon" if stages else "w13_tl")
+    stamps = alloc_stamps(plan, x.device)
     outs = []
-    for timeline in (None, grouped.alloc_timeline(M, TOP_K, K, N, config, x.device)):
+    for options in ({}, {"timeline": True, "stamps": stamps}):
         out = torch.full_like(x, float("nan"))
         workspace.fill_(-1)
-        grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, out, config, timeline=timeline)
+        launch_grouped(x, tw, ids, weights, workspace, out, config, **options)
         outs.append(out)
     torch.cuda.synchronize()
     assert not torch.isnan(outs[0]).any()
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
     w13_sm, w2_sm = W13_STAMPS.index("sm"), W2_STAMPS.index("sm")
-    w13, w2 = timeline.w13[:, :w13_sm].cpu(), timeline.w2[..., :w2_sm].cpu()
+    w13, w2 = stamps["w13_stamps"][:, :w13_sm].cpu(), stamps["w2_stamps"][..., :w2_sm].cpu()
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    for sm in (timeline.w13[:, w13_sm], timeline.w2[..., w2_sm]):  # alloc_timeline's -1 where no program stamped
+    for sm in (stamps["w13_stamps"][:, w13_sm], stamps["w2_stamps"][..., w2_sm]):  # -1 where no program stamped
         assert ((sm >= 0) & (sm < sms)).all()
     # a grid this size (2,000 W13 programs, 400 W2) lands on more than one SM
-    assert len(timeline.w13[:, w13_sm].unique()) > 1 and len(timeline.w2[..., w2_sm].unique()) > 1
-    rows = M * TOP_K
+    assert len(stamps["w13_stamps"][:, w13_sm].unique()) > 1 and len(stamps["w2_stamps"][..., w2_sm].unique()) > 1
     assert (w13 > 0).all() and (w13[:, 1] >= w13[:, 0]).all()
-    tiles = w2[:rows]  # the (row, tile) programs; a further row is the compaction's (Gluon W13)
-    assert (tiles > 0).all() and (tiles.diff(dim=-1) >= 0).all()
-    assert tiles[..., 1].min() >= w13[:, 1].max(), "a W2 program passed the wait before W13 ended"
-    assert w2.shape[0] == rows + (stages > 0)  # the Gluon W13's W2 launch has the compaction row
-    if stages > 0:
-        assert (w2[rows, :, 0] > 0).all() and (w2[rows, :, 4] >= w2[rows, :, 0]).all()
+    assert w2.shape[0] == M * TOP_K  # one grid row per routed row
+    assert (w2 > 0).all() and (w2.diff(dim=-1) >= 0).all()
+    assert w2[..., 1].min() >= w13[:, 1].max(), "a W2 program passed the wait before W13 ended"
     with pytest.raises(ValueError, match="not sized"):
-        grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, outs[0], config,
-                               timeline=Timeline(timeline.w13[1:], timeline.w2))
+        launch_grouped(x, tw, ids, weights, workspace, outs[0], config, timeline=True,
+                       stamps=dict(stamps, w13_stamps=stamps["w13_stamps"][1:]))
     with pytest.raises(ValueError, match="int64"):
-        grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, outs[0], config,
-                               timeline=Timeline(timeline.w13, timeline.w2.to(torch.int32)))
+        launch_grouped(x, tw, ids, weights, workspace, outs[0], config, timeline=True,
+                       stamps=dict(stamps, w2_stamps=stamps["w2_stamps"].to(torch.int32)))
+    with pytest.raises(ValueError, match="built without the timeline"):
+        launch_grouped(x, tw, ids, weights, workspace, outs[0], config, stamps=stamps)
 
 
-@pytest.mark.skipif(not w13_ring.AVAILABLE, reason="needs Triton's Gluon")
+@pytest.mark.skipif(not gluon_helpers.AVAILABLE, reason="needs Triton's Gluon")
 def test_largest_carveout_has_binaries_of_its_own_and_changes_no_bits(layer, workspace, monkeypatch):
     """M = 2's table entry asks both launches for the largest shared-memory carveout
     (kernels/carveout.py): its W13 and W2 binaries carry the preference (read back from the
     driver); the same config without it launches other binaries, which do not, so neither config
     runs under the other's preference whatever their order; and the bits are the same."""
     import ctypes
-
-    from moe_grouped_decode.kernels import grouped
 
     monkeypatch.delenv(GLUON_W13_ENV, raising=False)
     libcuda = ctypes.CDLL("libcuda.so.1")
@@ -476,14 +458,13 @@ def test_largest_carveout_has_binaries_of_its_own_and_changes_no_bits(layer, wor
     gen = torch.Generator().manual_seed(29)
     x = activations(M, weights.dtype, gen)
     ids, tw = routing("random", M, gen)
-    table = table_config(weights.dtype, M)
+    table = table_config(weights, M)
     assert table.max_shared_carveout
-    views = workspace_views(workspace, M * TOP_K, K, N)
     functions, bits = {True: set(), False: set()}, {}
     for call, config in enumerate((table, dataclasses.replace(table, max_shared_carveout=False), table)):
         out = torch.full_like(x, float("nan"))
         workspace.fill_(-1)
-        kernels = grouped.grouped_decode(x, tw, ids, *weights.op_args(), views, out, config)
+        kernels = launch_grouped(x, tw, ids, weights, workspace, out, config)
         assert [preference(kernel) == 100 for kernel in kernels] == [config.max_shared_carveout] * 2
         functions[config.max_shared_carveout].update(kernel.function for kernel in kernels)
         bits[config.max_shared_carveout] = out.view(torch.int16).clone()

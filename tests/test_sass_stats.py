@@ -36,9 +36,9 @@ def test_grouped_kernels_compile_without_spills(arch):
     stdout = _python_stdout(str(ROOT / "benchmarks" / "sass_stats.py"), "--arch", str(arch))
     # the launched kernels, and the tl W13 at the same split (what runs where Gluon does not)
     lines = [line for line in stdout.splitlines()
-             if re.match(r"M=\d+ (fp16|bf16) w(13|2|13-tl-tile-path):", line)]
+             if re.match(r"M=\d+ (fp16|bf16) w(13|2|13-tl):", line)]
     kernels = {tuple(line.split(":")[0].split()[1:]) for line in lines}
-    assert kernels == {(dtype, kernel) for dtype in ("fp16", "bf16") for kernel in ("w13", "w13-tl-tile-path", "w2")}, \
+    assert kernels == {(dtype, kernel) for dtype in ("fp16", "bf16") for kernel in ("w13", "w13-tl", "w2")}, \
         stdout
     for line in lines:
         registers = int(re.search(r"regs=(\d+)", line).group(1))
@@ -56,11 +56,11 @@ def _sass_stats_module():
 
 
 @pytest.mark.parametrize("registers, warps, shared, programs", [
-    (166, 4, 0, 3),  # v7's W2: three 4-warp programs per SM (the register cap's reason)
-    (128, 4, 0, 4),  # v8's capped W2
-    (90, 1, 0, 21),  # v7's W13: 90 registers are allocated as 96
-    (72, 1, 0, 28),  # v8's W13 at M = 8
-    (75, 2, 0, 12),  # a 2-warp W13 program (docs/PERF.md's waves model)
+    (166, 4, 0, 3),  # an uncapped tl W2: three 4-warp programs per SM (the register cap's reason)
+    (128, 4, 0, 4),  # the capped tl W2
+    (90, 1, 0, 21),  # 90 registers are allocated as 96
+    (72, 1, 0, 28),  # the tl W13 at M = 8
+    (75, 2, 0, 12),  # a 2-warp W13 program
     (32, 1, 0, 32),  # bounded by the 32 resident programs per SM
     (32, 16, 0, 4),  # bounded by the 64 resident warps per SM
     (32, 1, 100 * 1024, 2),  # bounded by shared memory (228 KB on sm_90)
@@ -70,17 +70,17 @@ def test_programs_per_sm(registers, warps, shared, programs):
 
 
 @pytest.mark.parametrize("registers, warps, shared, carveout_kb", [
-    (72, 4, 26112, 196),  # M = 2's 4-warp Gluon W2: seven programs by registers; beside W13 (run 69)
-    (56, 4, 26112, 228),  # the same uncapped: nine by registers, no carveout holds them; kept off W13 (run 73)
-    (79, 4, 26112, 164),  # the capped W2 with timestamps: six; beside the 2-stage W13 too (run 73)
+    (72, 4, 26112, 196),  # M = 2's 4-warp Gluon W2: seven programs by registers; beside W13 (measured)
+    (56, 4, 26112, 228),  # the same uncapped: nine by registers, no carveout holds them; kept off W13
+    (79, 4, 26112, 164),  # the capped W2 with timestamps: six; beside the 2-stage W13 too
     (72, 1, 5888, 196),  # M = 2's W13, a 4-stage ring: 28 programs
-    (72, 1, 3840, 164),  # a 2-stage ring: W2 at 196 KB kept off it (run 71's cliff)
-    (128, 4, 26112, 132),  # M = 4's W2: four; beside W13 (run 69)
-    (64, 4, 26112, 228),  # M = 8's 4-warp W2: kept off W13 (run 70)
-    (78, 1, 5632, 164),  # M = 8's W13 with a 2-stage ring (the table's before 00e1d95)
+    (72, 1, 3840, 164),  # a 2-stage ring: W2 at 196 KB kept off it (a ~5 us cliff)
+    (128, 4, 26112, 132),  # a 128-register 4-warp W2: four; beside W13
+    (64, 4, 26112, 228),  # a 4-warp W2 at M = 8: kept off W13
+    (78, 1, 5632, 164),  # M = 8's W13 with a 2-stage ring
     (75, 1, 6656, 196),  # M = 8's W13, a 3-stage ring: 25 programs; the 8-warp W2 (228) kept off
     (80, 1, 6656, 196),  # the same in bf16
-    (71, 1, 6656, 228),  # the same with the timeline's stamps: 28 programs; W2 beside it (run 81)
+    (71, 1, 6656, 228),  # the same with the timeline's stamps: 28 programs; W2 beside it
     (65, 8, 51712, 228),  # M = 8's 8-warp W2 in bf16: over 48 KB, Triton asks for the largest
 ])
 def test_driver_carveout_model(registers, warps, shared, carveout_kb):
@@ -93,16 +93,15 @@ def test_timeline_stamps_compile_out():
     """The per-program timestamps (kernels/timeline.py) cost nothing unless asked for: without
     TIMELINE no kernel reads the GPU's timer (so the counts above are the op's own); with it
     each W13 kernel reads it at its three places (start, program 0's end, a tile program's end)
-    and W2 at least at its five points (the compaction row's end and the tile programs' end may
-    share one read)."""
+    and W2 at its five points."""
     stdout = _python_stdout(str(ROOT / "benchmarks" / "sass_stats.py"), "--timeline")
     reads = {tuple(m.group(1, 2)): int(m.group(3))
              for m in re.finditer(r"^M=8 fp16 (\S+) timeline=(\w+): timer reads=(\d+)$", stdout, re.M)}
-    assert set(reads) == {(kernel, flag) for kernel in ("w13", "w13-tl-tile-path", "w2") for flag in ("False", "True")}, \
+    assert set(reads) == {(kernel, flag) for kernel in ("w13", "w13-tl", "w2") for flag in ("False", "True")}, \
         stdout
-    for kernel in ("w13", "w13-tl-tile-path", "w2"):
+    for kernel in ("w13", "w13-tl", "w2"):
         assert reads[kernel, "False"] == 0, stdout
-    assert reads["w13", "True"] >= 3 and reads["w13-tl-tile-path", "True"] >= 3, stdout
+    assert reads["w13", "True"] >= 3 and reads["w13-tl", "True"] >= 3, stdout
     assert reads["w2", "True"] >= 5, stdout
 
 
@@ -126,7 +125,7 @@ def test_constexpr_defaults_stay_constexprs():
 
 
 @pytest.mark.parametrize("M,changes", [
-    (2, dict(w2_ring=False)),  # the tl W2 (at M = 2's W13 split; the table's entries all run the Gluon W2)
+    (2, dict(w2_kernel="tl")),  # the tl W2 (at M = 2's W13 split; the table's entries all run the Gluon W2)
     (8, dict()),  # the Gluon W2 (M = 8's table entry)
 ])
 def test_w2_with_activation_pairs_compiles_without_spills(M, changes):
@@ -156,12 +155,12 @@ for dtype in ("fp16", "bf16"):
 
 def test_timeline_says_where_w2_may_start(monkeypatch):
     """benchmarks/timeline.py's last row: by the carveout model, from the registers and shared
-    memory of the kernels a grouped call launched, whether W2 may start beside W13 (run 81: the
-    stamps take M = 8's W13 from 75 registers to 71 and let W2 beside it)."""
+    memory of the kernels a grouped call launched, whether W2 may start beside W13 (the stamps
+    can take M = 8's W13 from 75 registers to 71 and let W2 beside it)."""
     import importlib.util
     from types import SimpleNamespace
 
-    from moe_grouped_decode.kernels.configs import GroupedConfig
+    from moe_grouped_decode.kernels.config import GroupedConfig
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("timeline_tool", ROOT / "benchmarks" / "timeline.py")

@@ -1,4 +1,21 @@
-"""@triton.jit kernels and their launch configurations. No torch.library here."""
+"""Triton kernels and their launch plans and configurations. No torch.library here.
+
+    plan.py          both routes' launch plans: which kernels, grids and constexprs; the loop that runs them
+    w13_gluon.py     W13 (split-K partials), loads staged in shared memory (Gluon)
+    w13_tl.py        the same W13 in Triton tl (the interpreter, no Gluon, the switch off)
+    w2_gluon.py      W2 + SiLU + fused combine, weights staged in shared memory (Gluon)
+    w2_tl.py         the same W2 in Triton tl
+    expert_sort.py   the prefill route's on-device sort of the routed rows into per-expert groups
+    prefill.py       the prefill route's W13 + SiLU and W2 over those groups
+    combine.py       the weighted combine over a token's k rows (both routes)
+    awq_mma.py       AutoAWQ nibbles dequantized into mma.sync fragments (inline PTX; interpreter emulation)
+    awq_tiles.py     AutoAWQ's column order; silu_mul
+    gluon_helpers.py what the Gluon kernels share (availability, clock, PDL)
+    pdl.py           programmatic dependent launch for the tl kernels
+    carveout.py      the shared-memory carveout preference of a compiled kernel
+    timeline.py      the in-kernel timestamps (compiled out unless a plan asks for them)
+    config.py        launch configs, the measured tables (configs/*.json), the autotune cache
+"""
 
 import functools
 import os
@@ -8,6 +25,13 @@ import torch
 
 # The grouped kernels multiply on tensor cores with mma.sync m16n8k16 (awq_mma.py): Ampere and newer.
 MIN_CUDA_CAPABILITY = (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def device_name(device: torch.device) -> str:
+    """The GPU's name as the launch tables key it (``torch.cuda.get_device_name``); the device
+    type elsewhere."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 @functools.lru_cache(maxsize=None)

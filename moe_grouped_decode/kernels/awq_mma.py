@@ -56,16 +56,24 @@ TILE_WORDS = tl.constexpr(8)  # packed int32 columns per warp (one per lane grou
 _LO, _HI = "0x000F000F", "0x00F000F0"
 
 
-def _chunk_asm(bf16: bool, split_x: bool, rn_scale: bool = False) -> str:
+def _chunk_asm(bf16: bool, split_x: bool, rn_scale: bool = False, token_blocks: int = 1) -> str:
     """PTX for one awq_mma_chunk: operands $0..$15 outputs (d_lo then d_hi), then the
     8 words, the 16-bit x pairs (4 registers, 4 more for SPLIT_X's lo halves), 4 scale
     pairs and 8 copies of the zero word. ``rn_scale``: the scale multiply as mul.rn (never
-    contracted with the caller's accumulate)."""
+    contracted with the caller's accumulate). ``token_blocks`` > 1 (awq_mma_tokens): that many
+    B operands of 8 token columns each, every A fragment dequantized once for all of them:
+    16 outputs per block ($16 b .. $16 b + 15), then the words, 4 x registers per block, the
+    scales and the zero word's copies."""
+    if split_x and token_blocks > 1:
+        raise ValueError("split_x takes one token block")
     kind = "bf16" if bf16 else "f16"
-    words, x = 16, 24
-    x_lo = 28 if split_x else None
-    scales = 32 if split_x else 28
+    words = 16 * token_blocks
+    x = words + 8
+    x_lo = x + 4 if split_x else None
+    scales = x + 4 * token_blocks + (4 if split_x else 0)
     zero = scales + 4
+    # the accumulator registers of token block b
+    dreg = (lambda b, r: f"d{r}") if token_blocks == 1 else (lambda b, r: f"d{b}_{r}")
     # (shift, mask, magic) that brings column nibble position n (0..3 of a PRMT half) into a pair
     if bf16:
         extract = [(4 * n, _LO, "0x43004300") for n in range(4)]
@@ -73,7 +81,8 @@ def _chunk_asm(bf16: bool, split_x: bool, rn_scale: bool = False) -> str:
     else:
         extract = [(0, _LO, "0x64006400"), (0, _HI, "0x54005400"), (8, _LO, "0x64006400"), (8, _HI, "0x54005400")]
         neg = ["0xE400E400", "0xD400D400", "0xE400E400", "0xD400D400"]
-    lines = ["{", ".reg .b32 zp<2>, z<8>, s<8>;", ".reg .f32 d<16>;", ".reg .b16 h<8>;"]
+    d_decls = ".reg .f32 d<16>;" if token_blocks == 1 else " ".join(f".reg .f32 d{b}_<16>;" for b in range(token_blocks))
+    lines = ["{", ".reg .b32 zp<2>, z<8>, s<8>;", d_decls, ".reg .b16 h<8>;"]
     if bf16:  # add.bf16x2 needs sm_90: a * 1 + z instead
         lines += [".reg .b32 one;", "mov.b32 one, 0x3F803F80;"]
 
@@ -93,13 +102,14 @@ def _chunk_asm(bf16: bool, split_x: bool, rn_scale: bool = False) -> str:
         regs = shifted(f"zp{half}", f"zp{half}")
         for n, (shift, mask, _) in enumerate(extract):
             lines.append(f"lop3.b32 z{2 * n + half}, {regs[shift]}, {mask}, {neg[n]}, 0xEA;")
-    lines += [f"mov.f32 d{r}, 0f00000000;" for r in range(16)]
+    lines += [f"mov.f32 {dreg(b, r)}, 0f00000000;" for b in range(token_blocks) for r in range(16)]
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
     for block in range(2):
         w = [f"${words + 4 * block + i}" for i in range(4)]
-        b_sets = [f"{{${x + 2 * block}, ${x + 2 * block + 1}}}"]
+        # (token block, B operand): SPLIT_X's hi and lo halves both accumulate into block 0
+        b_sets = [(tb, f"{{${x + 4 * tb + 2 * block}, ${x + 4 * tb + 2 * block + 1}}}") for tb in range(token_blocks)]
         if split_x:
-            b_sets.append(f"{{${x_lo + 2 * block}, ${x_lo + 2 * block + 1}}}")
+            b_sets.append((0, f"{{${x_lo + 2 * block}, ${x_lo + 2 * block + 1}}}"))
         # wp<block><2p + half>: rows (4t + 2p, 4t + 2p + 1) interleaved; half 0 = nibbles 0-3, 1 = nibbles 4-7
         srcs = {}
         for p in range(2):
@@ -118,8 +128,8 @@ def _chunk_asm(bf16: bool, split_x: bool, rn_scale: bool = False) -> str:
                     lines.append(f"fma.rn.bf16x2 a{reg}, a{reg}, one, z{2 * n + half};")
                 else:
                     lines.append(f"add.f16x2 a{reg}, a{reg}, z{2 * n + half};")
-            d = f"{{d{4 * n}, d{4 * n + 1}, d{4 * n + 2}, d{4 * n + 3}}}"
-            for b in b_sets:
+            for tb, b in b_sets:
+                d = "{" + ", ".join(dreg(tb, 4 * n + i) for i in range(4)) + "}"
                 lines.append(f"{mma} {d}, {{a0, a1, a2, a3}}, {b}, {d};")
             lines.append("}")
     for n in range(4):
@@ -128,26 +138,31 @@ def _chunk_asm(bf16: bool, split_x: bool, rn_scale: bool = False) -> str:
         else:
             lines += [f"mov.b32 {{h{2 * n}, h{2 * n + 1}}}, ${scales + n};",
                       f"cvt.f32.f16 s{2 * n}, h{2 * n};", f"cvt.f32.f16 s{2 * n + 1}, h{2 * n + 1};"]
-        for c in range(4):
-            # rn_scale: .rn, so ptxas cannot fuse the scale multiply into the caller's accumulate (the
-            # Gluon W2 uses it, with or without split_x; the tl W2 can, to give the same bits, in the
-            # test that compares them)
-            mul = "mul.rn.f32" if rn_scale else "mul.f32"
-            lines.append(f"{mul} ${4 * n + c}, d{4 * n + c}, s{2 * n + c // 2};")
+        for tb in range(token_blocks):
+            for c in range(4):
+                # rn_scale: .rn, so ptxas cannot fuse the scale multiply into the caller's accumulate (the
+                # Gluon W2 uses it, with or without split_x; the tl W2 can, to give the same bits, in the
+                # test that compares them)
+                mul = "mul.rn.f32" if rn_scale else "mul.f32"
+                lines.append(f"{mul} ${16 * tb + 4 * n + c}, {dreg(tb, 4 * n + c)}, s{2 * n + c // 2};")
     lines.append("}")
     return "\n".join(lines)
 
 
-def _constraints(split_x: bool) -> str:
-    return ",".join(["=f"] * 16 + ["r"] * (8 + 4 + (4 if split_x else 0) + 4 + 8))
+def _constraints(split_x: bool, token_blocks: int = 1) -> str:
+    return ",".join(["=f"] * 16 * token_blocks + ["r"] * (8 + 4 * token_blocks + (4 if split_x else 0) + 4 + 8))
 
 
 # One chunk's PTX and operand constraints, per dtype, activation split and scale rounding, built
 # once (tables: Triton hashes a kernel's globals, not plain functions); awq_mma_chunk and the
-# Gluon W13 and W2 (w13_ring.py, w2_ring.py) issue them.
+# Gluon W13 and W2 (w13_gluon.py, w2_gluon.py) issue them.
 _CHUNK_PTX = {(bf16, split_x, rn_scale): _chunk_asm(bf16, split_x, rn_scale)
               for bf16 in (False, True) for split_x in (False, True) for rn_scale in (False, True)}
 _CHUNK_CONSTRAINTS = {split_x: _constraints(split_x) for split_x in (False, True)}
+TOKEN_BLOCK_COUNTS = (2, 4)  # awq_mma_tokens' block counts (1 is awq_mma_chunk)
+_TOKENS_PTX = {(bf16, blocks): _chunk_asm(bf16, False, False, blocks) for bf16 in (False, True)
+               for blocks in TOKEN_BLOCK_COUNTS}
+_TOKENS_CONSTRAINTS = {blocks: _constraints(False, blocks) for blocks in TOKEN_BLOCK_COUNTS}
 
 
 @triton.constexpr_function
@@ -160,6 +175,17 @@ def chunk_ptx(is_bf16, split_x, rn_scale):
 def chunk_constraints(split_x):
     """The operand constraints of chunk_ptx's PTX."""
     return _CHUNK_CONSTRAINTS[bool(split_x)]
+
+
+@triton.constexpr_function
+def tokens_ptx(is_bf16, token_blocks):
+    """The PTX of one chunk over ``token_blocks`` B operands (awq_mma_tokens)."""
+    return _TOKENS_PTX[bool(is_bf16), int(token_blocks)]
+
+
+@triton.constexpr_function
+def tokens_constraints(token_blocks):
+    return _TOKENS_CONSTRAINTS[int(token_blocks)]
 
 
 @triton.jit
@@ -226,3 +252,29 @@ def chunk_rows(k0, t, e):
 def chunk_columns(word, e):
     """Output column (token column 0 or 1 aside) of element e in d_lo (add 4 for d_hi)."""
     return word * 8 + 2 * (e // 4) + (e % 4) // 2
+
+
+@triton.jit
+def awq_mma_tokens(words, x0, x1, x2, x3, scales, zeros, IS_BF16: tl.constexpr, TOKEN_BLOCKS: tl.constexpr,
+                   WARPS: tl.constexpr):
+    """awq_mma_chunk over TOKEN_BLOCKS (2 or 4) B operands of 8 tokens each, ``x0`` .. ``x3``
+    (those past TOKEN_BLOCKS unread), every A fragment dequantized once for all of them. Returns
+    (d_lo, d_hi) of block 0, then block 1, ... (2 * TOKEN_BLOCKS tensors)."""
+    if _INLINE_PTX:
+        if TOKEN_BLOCKS == 2:
+            return tl.inline_asm_elementwise(tokens_ptx(IS_BF16, 2), tokens_constraints(2),
+                                             [words, x0, x1, scales, zeros],
+                                             dtype=(tl.float32,) * 4, is_pure=True, pack=8)
+        else:
+            return tl.inline_asm_elementwise(tokens_ptx(IS_BF16, 4), tokens_constraints(4),
+                                             [words, x0, x1, x2, x3, scales, zeros],
+                                             dtype=(tl.float32,) * 8, is_pure=True, pack=8)
+    else:
+        d0 = _emulated_chunk(words, x0.to(tl.float32), scales, zeros, WARPS)
+        d1 = _emulated_chunk(words, x1.to(tl.float32), scales, zeros, WARPS)
+        if TOKEN_BLOCKS == 2:
+            return d0[0], d0[1], d1[0], d1[1]
+        else:
+            d2 = _emulated_chunk(words, x2.to(tl.float32), scales, zeros, WARPS)
+            d3 = _emulated_chunk(words, x3.to(tl.float32), scales, zeros, WARPS)
+            return d0[0], d0[1], d1[0], d1[1], d2[0], d2[1], d3[0], d3[1]

@@ -6,14 +6,15 @@ An SM runs programs of two kernels side by side only while its current carveout 
 Without a preference the driver picks one per kernel from its resources, so whether the W2
 programs launched early (PDL) start beside W13's, and load their first weights during W13,
 hinges on both kernels' register counts: at M = 2 a W2 of 56 registers instead of 72, or a W13
-with a 2-stage ring, keeps W2 off until W13's programs leave (~5 us; explorations runs 73-75,
-docs/PERF.md). A config's ``max_shared_carveout`` gives both launches the largest carveout, so
-neither can ask for one the other's SMs lack. Preferences between the smallest and the largest
-are no cure: most of them bring a cliff of 3-5 us (run 74).
+with a 2-stage ring, keeps W2 off until W13's programs leave (~5 us; docs/PERF.md). A config's
+``max_shared_carveout`` gives both launches the largest carveout, so neither can ask for one
+the other's SMs lack. Preferences between the smallest and the largest are no cure: most of
+them bring a cliff of 3-5 us.
 
-The preference is an attribute of a compiled kernel, not of a launch, so the kernels take the
-config's setting as a constexpr they never read (``MAX_SHARED_CARVEOUT``): each setting compiles
-its own binary, and no launch runs under another config's preference.
+The preference is an attribute of a compiled kernel (a CUfunction), not of a launch, so every
+grouped kernel is defined twice over one source (``*_kernel`` and ``*_kernel_max_carveout``):
+two JIT functions keep two sets of binaries, and no launch runs under another config's
+preference.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ _preferred: Set[int] = set()  # the CUfunctions given the preference
 
 
 def prefer_max_shared_carveout(kernel) -> None:
-    """Give the compiled ``kernel`` (what a Triton launch returns, built with
-    MAX_SHARED_CARVEOUT) the largest carveout as its preference, once. It holds from the
+    """Give the compiled ``kernel`` (what a Triton launch of a ``*_max_carveout`` JIT function
+    returns) the largest carveout as its preference, once. It holds from the
     kernel's next launch on: the first launch of each binary runs under the driver's choice
     (only slower; callers launch eagerly before they capture a CUDA graph)."""
     if kernel.function in _preferred:

@@ -8,11 +8,11 @@ launch writes. Both are no-ops with ``USE_PDL`` false (older GPUs, the interpret
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
 import triton
 import triton.language as tl
-
-from . import cuda_capability
 
 
 @triton.jit
@@ -28,9 +28,10 @@ def wait_for_previous_launch(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch needs Hopper or newer and compiled kernels."""
-    return torch.version.hip is None and cuda_capability(device)[0] >= 9  # ROCm reports major 9 for MI300
+def pdl_supported(capability: Tuple[int, int]) -> bool:
+    """Programmatic dependent launch needs Hopper or newer and compiled kernels (the
+    interpreter's capability is (0, 0))."""
+    return torch.version.hip is None and capability[0] >= 9  # ROCm reports major 9 for MI300
 
 
 def launch_options(use_pdl: bool) -> dict:

@@ -1,7 +1,8 @@
-"""Per-program timestamps: where a layer's microseconds go (``benchmarks/timeline.py``).
+"""Per-program timestamps, the kernel side: where a layer's microseconds go (``benchmarks/timeline.py``).
 
-With the ``TIMELINE`` constexpr (off in every launch the op makes for its callers), the
-grouped kernels store ``%globaltimer`` (nanoseconds, one clock for the whole GPU) at fixed
+With the ``TIMELINE`` constexpr (a field of the launch plan, off in every launch the op makes
+for its callers, where the stamp pointer is None and the stamps compile out), the grouped
+kernels store ``%globaltimer`` (nanoseconds, one clock for the whole GPU) at fixed
 points of every program, one int64 per stamp::
 
     W13 program p (either W13 kernel):   w13[p] = (start, end, SM)
@@ -9,18 +10,13 @@ points of every program, one int64 per stamp::
                                           activations written, row output stored, end, SM)
 
 SM is the number of the SM the program ran on (``%smid``, read at its start), so the tool can
-say how the programs spread over the SMs. The W2 grid's compaction row (the Gluon W13 runs)
-stamps its start, end and SM only. Timer reads
-are ordinary instructions, so a stamp can land a few instructions from where it is written,
-and the timer ticks every 32 ns on the H200 (explorations run 35); the tool reports medians
-over layers and programs, not single stamps.
+say how the programs spread over the SMs. Timer reads are ordinary instructions, so a stamp
+can land a few instructions from where it is written, and the timer ticks every 32 ns on the
+H200; the tool reports medians over layers and programs, not single stamps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 import triton
 import triton.language as tl
 
@@ -46,12 +42,3 @@ def now():
 def sm_id():
     """The SM this program runs on, as an int64 scalar."""
     return tl.inline_asm_elementwise(SMID_PTX, "=r", [], dtype=tl.int32, is_pure=True, pack=1).to(tl.int64)
-
-
-@dataclass
-class Timeline:
-    """The stamps of one grouped call: int64 ``w13`` [W13 programs, 3] and ``w2`` [W2 grid rows,
-    W2 column tiles, 6], both on the op's device (``grouped.alloc_timeline`` sizes them)."""
-
-    w13: torch.Tensor
-    w2: torch.Tensor

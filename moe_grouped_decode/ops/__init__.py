@@ -4,8 +4,8 @@ Importing this package registers ``torch.ops.moe_grouped_decode.awq_moe_dense``,
 ``.awq_moe_grouped_decode`` and ``.awq_moe_routed`` (route chosen from M at run time).
 """
 
-from .cuda import launch_grouped, warmup  # registers the CUDA implementations
-from .awq_moe import awq_moe_dense, awq_moe_grouped_decode, check_moe_args
+from .cuda import grouped_plan_for, launch_grouped, launch_prefill, prefill_plan_for, warmup  # registers the CUDA implementations
+from .awq_moe import awq_moe_dense, awq_moe_grouped_decode, check_moe_args, compact_rows
 from .routed import awq_moe_routed
 from .reference import ErrorStats, Segments, error_stats, reference_moe, reference_segments
 from .workspace import WorkspaceLayout, alloc_workspace, workspace_numel, workspace_views
@@ -15,7 +15,11 @@ __all__ = [
     "awq_moe_grouped_decode",
     "awq_moe_routed",
     "check_moe_args",
+    "compact_rows",
+    "grouped_plan_for",
     "launch_grouped",
+    "launch_prefill",
+    "prefill_plan_for",
     "warmup",
     "alloc_workspace",
     "workspace_numel",

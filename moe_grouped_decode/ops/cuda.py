@@ -1,205 +1,158 @@
 """CUDA implementations of the ops, launching the Triton kernels in ``..kernels``.
 
 Nothing here reads tensor data on the host: validation is shape-only
-(``check_moe_args``), every launch grid is fixed by the static shapes, and the
-grouped op's scratch is carved from the caller's ``workspace``. ``warmup``
-compiles every kernel variant (and, opt-in, autotunes) before CUDA-graph capture.
+(``check_moe_args``), every launch grid is fixed by the static shapes (the launch plan,
+``kernels/plan.py``), and the grouped op's scratch is carved from the caller's
+``workspace``. ``warmup`` compiles every kernel variant (and, opt-in, autotunes) before
+CUDA-graph capture.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import torch
 
 from .. import env
+from ..awq import AwqMoeWeights
+from ..kernels import config as kernel_config
+from ..kernels import cuda_capability, device_name, plan
 from .awq_moe import awq_moe_dense, awq_moe_grouped_decode, check_moe_args
 from .workspace import workspace_views
 
-log = logging.getLogger(__name__)
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def _shape(hidden_states, topk_ids, w13_qweight, w2_qweight, group_size):
-    return (int(w13_qweight.shape[0]), int(topk_ids.shape[1]), int(hidden_states.shape[1]), int(w2_qweight.shape[1]), int(group_size))
+def layer_shape(hidden_states: torch.Tensor, topk_ids: torch.Tensor, weights: AwqMoeWeights) -> kernel_config.Shape:
+    """(E, k, K, N, G): what the launch tables are keyed by, besides GPU, dtype and M."""
+    return (int(weights.num_experts), int(topk_ids.shape[1]), int(hidden_states.shape[1]),
+            int(weights.intermediate_size), int(weights.group_size))
 
 
-def _ensure_tuned_cache_loaded() -> None:
-    from ..kernels import configs
-    import triton
-
-    configs.load_tuned(configs.cache_path(torch.cuda.get_device_name(), triton.__version__))
-
-
-def launch_grouped(hidden_states, topk_weights, topk_ids, w13_qweight, w13_scales, w13_qzeros,
-                    w2_qweight, w2_scales, w2_qzeros, group_size, workspace, out, config=None):
-    """Launch the grouped decode into ``out`` (no checks, no allocation); ``config`` overrides
-    the table/tuned launch config (benchmarks and the tuner use this)."""
-    from ..kernels import configs, cuda_capability, grouped
-
+def grouped_plan_for(hidden_states, topk_ids, weights: AwqMoeWeights, config=None, **options) -> plan.GroupedPlan:
+    """The launch plan of one grouped call: ``config`` (fitted here), or the one the op runs
+    (tuned, table, default); ``options``: plan.grouped_plan's lab switches (stages, timeline,
+    w2_rn_scale)."""
     M, K = hidden_states.shape
-    shape = _shape(hidden_states, topk_ids, w13_qweight, w2_qweight, group_size)
-    if config is None:
-        ring = grouped.ring_available(cuda_capability(hidden_states.device))
-        config = configs.grouped_config(shape, _DTYPE_NAMES[hidden_states.dtype], M, ring)
-    views = workspace_views(workspace, M * shape[1], K, shape[3])
-    grouped.grouped_decode(
-        hidden_states, topk_weights.contiguous(), topk_ids.contiguous(),
-        w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size,
-        views, out, config,
-    )
+    shape = layer_shape(hidden_states, topk_ids, weights)
+    device = hidden_states.device
+    config = (config or plan.config_for(shape, hidden_states.dtype, M, device)).fitted(K)
+    return plan.grouped_plan(M, shape[1], K, shape[3], shape[4], hidden_states.dtype, cuda_capability(device),
+                             config, **options)
+
+
+def launch_grouped(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights, workspace, out, config=None,
+                   stamps=None, **options) -> list:
+    """Launch the grouped decode into ``out`` (no checks, no allocation); ``config`` overrides
+    the tuned/table launch config (benchmarks and the tuner), ``options`` and ``stamps`` are the
+    plan's lab switches and the timeline's buffers. Returns the launches' compiled kernels."""
+    grouped = grouped_plan_for(hidden_states, topk_ids, weights, config, **options)
+    views = workspace_views(workspace, grouped.rows, grouped.hidden_size, grouped.intermediate_size)
+    return plan.launch_plan(grouped, hidden_states, topk_weights.contiguous(), topk_ids.contiguous(), weights, views,
+                            out, stamps)
 
 
 @awq_moe_grouped_decode.register_kernel("cuda")
-def _awq_moe_grouped_decode_cuda(hidden_states, topk_weights, topk_ids, w13_qweight, w13_scales, w13_qzeros,
-                                 w2_qweight, w2_scales, w2_qzeros, group_size, workspace):
-    check_moe_args("awq_moe_grouped_decode", hidden_states, topk_weights, topk_ids, w13_qweight, w13_scales,
-                   w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size, workspace)
+def _awq_moe_grouped_decode_cuda(hidden_states, topk_weights, topk_ids, *weight_args_and_workspace):
+    *weight_args, workspace = weight_args_and_workspace
+    weights = AwqMoeWeights(*weight_args)
+    check_moe_args("awq_moe_grouped_decode", hidden_states, topk_weights, topk_ids, weights, workspace)
     out = torch.empty_like(hidden_states)
     if hidden_states.shape[0] == 0:
         return out
-    launch_grouped(hidden_states.contiguous(), topk_weights, topk_ids, w13_qweight, w13_scales, w13_qzeros,
-                    w2_qweight, w2_scales, w2_qzeros, group_size, workspace, out)
+    launch_grouped(hidden_states.contiguous(), topk_weights, topk_ids, weights, workspace, out)
     return out
+
+
+def prefill_plan_for(hidden_states, topk_ids, weights: AwqMoeWeights, config=None) -> plan.PrefillPlan:
+    """The launch plan of one prefill-route call: ``config``, or the one the op runs."""
+    M, K = hidden_states.shape
+    shape = layer_shape(hidden_states, topk_ids, weights)
+    E, k, _, N, G = shape
+    config = config or kernel_config.prefill_config(shape, device_name(hidden_states.device),
+                                                    plan.DTYPE_NAMES[hidden_states.dtype], M)
+    return plan.prefill_plan(M, k, E, K, N, G, hidden_states.dtype, cuda_capability(hidden_states.device), config)
+
+
+def launch_prefill(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights, out, config=None,
+                   scratch: Optional[torch.Tensor] = None) -> list:
+    """Launch the prefill route into ``out``: the routed rows sorted by expert on the device, each
+    expert's weights read once per group of rows (kernels/prefill.py). ``scratch`` (int32, at
+    least the plan's ``scratch_numel``) is allocated here when not given."""
+    prefill = prefill_plan_for(hidden_states, topk_ids, weights, config)
+    if scratch is None:
+        scratch = torch.empty(prefill.scratch_numel, dtype=torch.int32, device=hidden_states.device)
+    return plan.launch_prefill(prefill, hidden_states, topk_weights.contiguous(), topk_ids.contiguous(), weights,
+                               scratch, out)
 
 
 @awq_moe_dense.register_kernel("cuda")
-def _awq_moe_dense_cuda(hidden_states, topk_weights, topk_ids, w13_qweight, w13_scales, w13_qzeros,
-                        w2_qweight, w2_scales, w2_qzeros, group_size):
-    from ..kernels import configs, dense
-
-    check_moe_args("awq_moe_dense", hidden_states, topk_weights, topk_ids, w13_qweight, w13_scales,
-                   w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size)
+def _awq_moe_dense_cuda(hidden_states, topk_weights, topk_ids, *weight_args):
+    weights = AwqMoeWeights(*weight_args)
+    check_moe_args("awq_moe_dense", hidden_states, topk_weights, topk_ids, weights)
     out = torch.empty_like(hidden_states)
-    M = hidden_states.shape[0]
-    if M == 0:
+    if hidden_states.shape[0] == 0:
         return out
-    config = configs.dense_config(_shape(hidden_states, topk_ids, w13_qweight, w2_qweight, group_size), M)
-    dense.dense_moe(
-        hidden_states.contiguous(), topk_weights.contiguous(), topk_ids.contiguous(),
-        w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size, out, config,
-    )
+    launch_prefill(hidden_states.contiguous(), topk_weights, topk_ids, weights, out)
     return out
 
 
-def _random_routing(num_tokens: int, top_k: int, num_experts: int, device, generator) -> torch.Tensor:
+# the opt-in autotune searches the grouped route's launch configs at these token counts only (each
+# takes ~1 s per candidate at warmup; above them the table's or the default config runs)
+TUNE_MAX_TOKENS = 8
+
+
+def random_routing(num_tokens: int, top_k: int, num_experts: int, device, generator) -> torch.Tensor:
+    """Distinct random experts per token, as a router gives, int32 [M, k]."""
     scores = torch.rand(num_tokens, num_experts, device=device, generator=generator)
     return scores.topk(top_k, dim=1).indices.to(torch.int32)
 
 
-def graph_replay_us(step: Callable[[int], None], calls: int, replays: int = 30) -> float:
-    """Median microseconds per call of one CUDA graph that runs ``step(i)`` for i < ``calls``.
-
-    Every call runs once before the capture (Triton compiles, the allocator
-    settles); the benchmark, the TP4 check and the autotune all time this way.
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(calls):
-            step(i)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(calls):
-                step(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
-    del graph
-    return sorted(times)[len(times) // 2]
+def prefill_warmup_counts(max_tokens: int) -> list:
+    """Token counts whose prefill-route calls compile every binary that any M up to
+    ``max_tokens`` launches: the powers of two below it and itself (the plan's buckets are
+    the powers of two, and so are its launch table's entries)."""
+    counts, m = [], 1
+    while m < max_tokens:
+        counts.append(m)
+        m *= 2
+    return counts + [max_tokens]
 
 
-def _time_grouped(args, workspace, config, routings, replays: int = 20) -> float:
-    """Median microseconds of one grouped call under CUDA-graph replay, cycling routings
-    over all E experts so that the active experts' weights mostly miss L2."""
-    hidden_states, topk_weights, _, *weights = args
-    out = torch.empty_like(hidden_states)
+def warmup(weights: AwqMoeWeights, top_k: int, grouped_token_counts: Iterable[int],
+           dense_token_counts: Iterable[int] = (), workspace: Optional[torch.Tensor] = None,
+           dtype: Optional[torch.dtype] = None) -> None:
+    """Compile (and, with MOE_GROUPED_DECODE_TUNE=1, tune) every kernel variant.
 
-    def step(i: int) -> None:
-        launch_grouped(hidden_states, topk_weights, routings[i], *weights, workspace, out, config)
-
-    return graph_replay_us(step, len(routings), replays)
-
-
-def _tune_grouped(hidden_states, topk_weights, weights: Sequence[torch.Tensor], group_size, workspace, num_tokens) -> None:
-    """Search the small config space for one token count; cache the winner on disk."""
-    from ..kernels import configs, cuda_capability, grouped
-    import triton
-
-    E, top_k = weights[0].shape[0], topk_weights.shape[1]
-    shape = _shape(hidden_states, topk_weights, weights[0], weights[3], group_size)
-    dtype_name = _DTYPE_NAMES[hidden_states.dtype]
-    path = configs.cache_path(torch.cuda.get_device_name(), triton.__version__)
-    capability = cuda_capability(hidden_states.device)
-    ring = grouped.ring_available(capability)
-    if configs.tuned_config(shape, dtype_name, num_tokens, ring) is not None:
-        return
-    gen = torch.Generator(device=hidden_states.device).manual_seed(1234)
-    routings = [_random_routing(num_tokens, top_k, E, hidden_states.device, gen) for _ in range(16)]
-    args = (hidden_states[:num_tokens], topk_weights[:num_tokens], None, *weights, group_size)
-    best, best_us = None, float("inf")
-    for candidate in configs.grouped_candidates(capability, ring):
-        us = _time_grouped(args, workspace, candidate.fitted(shape[2]), routings)
-        if us < best_us:
-            best, best_us = candidate, us
-    log.info("moe_grouped_decode: tuned %s M=%d -> %s (%.2f us)", shape, num_tokens, best, best_us)
-    configs.store_tuned(path, configs.shape_key(shape, dtype_name, num_tokens, ring), best)
-
-
-def warmup(
-    w13_qweight: torch.Tensor, w13_scales: torch.Tensor, w13_qzeros: torch.Tensor,
-    w2_qweight: torch.Tensor, w2_scales: torch.Tensor, w2_qzeros: torch.Tensor,
-    group_size: int, top_k: int, grouped_token_counts: Iterable[int],
-    dense_token_counts: Iterable[int] = (), workspace: Optional[torch.Tensor] = None,
-    dtype: Optional[torch.dtype] = None,
-) -> None:
-    """Compile (and, with VLLM_AWQ_MOE_GROUPED_DECODE_TUNE=1, tune) every kernel variant.
-
-    Call once per layer shape before CUDA-graph capture, with the token counts
-    the grouped route will run (e.g. 2..8) and the dense ones worth compiling
-    ahead (e.g. 1 and the capture sizes). Runs each op once on random
-    activations and routing; the tune, if enabled, runs here and never during
-    capture, and is cached on disk per GPU, shape and Triton version.
-    ``workspace`` must hold max(grouped_token_counts) * top_k rows (a
+    Call once per layer shape before CUDA-graph capture, with the token counts the grouped
+    route will run (each has a plan of its own) and the prefill route's (``awq_moe_dense``:
+    ``prefill_warmup_counts`` covers every binary up to a token count). Runs each op once on random activations and routing; the tune, if
+    enabled, runs here and never during capture, and is cached on disk per GPU, shape and
+    Triton version. ``workspace`` must hold max(grouped_token_counts) * top_k rows (a
     temporary one is allocated if omitted).
     """
+    from .autotune import load_tuned_cache, tune_grouped
     from .workspace import alloc_workspace
 
-    device = w13_qweight.device
-    dtype = dtype or w13_scales.dtype
+    device = weights.w13_qweight.device
+    dtype = dtype or weights.dtype
     grouped_counts = sorted(set(int(m) for m in grouped_token_counts))
     dense_counts = sorted(set(int(m) for m in dense_token_counts))
-    E, K = w13_qweight.shape[0], w13_qweight.shape[1]
-    N = w2_qweight.shape[1]
-    weights = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
+    E, K, N = weights.num_experts, weights.hidden_size, weights.intermediate_size
     max_tokens = max(grouped_counts + dense_counts + [1])
     gen = torch.Generator(device=device).manual_seed(0)
     hidden_states = torch.randn(max_tokens, K, device=device, dtype=dtype, generator=gen)
     topk_weights = torch.rand(max_tokens, top_k, device=device, generator=gen)
-    _ensure_tuned_cache_loaded()
+    load_tuned_cache(device)
     if grouped_counts:
         if workspace is None:
             workspace = alloc_workspace(max(grouped_counts), top_k, K, N, device)
         if env.tune_enabled():
-            for m in grouped_counts:
-                _tune_grouped(hidden_states, topk_weights, weights, group_size, workspace, m)
+            for m in (m for m in grouped_counts if m <= TUNE_MAX_TOKENS):
+                tune_grouped(hidden_states[:m], topk_weights[:m], weights, workspace)
         for m in grouped_counts:
-            ids = _random_routing(m, top_k, E, device, gen)
+            ids = random_routing(m, top_k, E, device, gen)
             torch.ops.moe_grouped_decode.awq_moe_grouped_decode(
-                hidden_states[:m], topk_weights[:m], ids, *weights, group_size, workspace)
+                hidden_states[:m], topk_weights[:m], ids, *weights.op_args(), workspace)
     for m in dense_counts:
-        ids = _random_routing(m, top_k, E, device, gen)
-        torch.ops.moe_grouped_decode.awq_moe_dense(hidden_states[:m], topk_weights[:m], ids, *weights, group_size)
+        ids = random_routing(m, top_k, E, device, gen)
+        torch.ops.moe_grouped_decode.awq_moe_dense(hidden_states[:m], topk_weights[:m], ids, *weights.op_args())
     torch.cuda.synchronize(device)

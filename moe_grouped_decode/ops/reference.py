@@ -12,40 +12,32 @@ from typing import List
 
 import torch
 
-from ..awq import dequantize
+from ..awq import AwqMoeWeights, dequantize
 
 
-def reference_moe(
-    hidden_states: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_qweight: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w13_qzeros: torch.Tensor,
-    w2_qweight: torch.Tensor,
-    w2_scales: torch.Tensor,
-    w2_qzeros: torch.Tensor,
-    group_size: int,
-) -> torch.Tensor:
+def reference_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  weights: AwqMoeWeights) -> torch.Tensor:
     """Per-expert dense MoE in float64 (CPU). Returns float64 [M, K].
 
-    Loops over the experts that own rows, dequantizes each once, and adds
-    ``topk_weights[t, j] * W2(silu(gate) * up)`` for each of its rows.
+    Loops over the experts that own rows, dequantizes each once (``awq.dequantize``, not the
+    ops' code), and adds ``topk_weights[t, j] * W2(silu(gate) * up)`` for each of its rows.
     """
     x = hidden_states.detach().cpu().to(torch.float64)
-    weights = topk_weights.detach().cpu().to(torch.float64)
+    routing_weights = topk_weights.detach().cpu().to(torch.float64)
     ids = topk_ids.detach().cpu().to(torch.int64)
-    n = w2_qweight.shape[1]
+    n = weights.intermediate_size
+    g = weights.group_size
     out = torch.zeros_like(x)
     for expert in sorted(set(ids.flatten().tolist())):
-        w13 = dequantize(w13_qweight[expert].cpu(), w13_scales[expert].cpu(), w13_qzeros[expert].cpu(), group_size)
-        w2 = dequantize(w2_qweight[expert].cpu(), w2_scales[expert].cpu(), w2_qzeros[expert].cpu(), group_size)
-        w13, w2 = w13.to(torch.float64), w2.to(torch.float64)
+        w13 = dequantize(weights.w13_qweight[expert].cpu(), weights.w13_scales[expert].cpu(),
+                         weights.w13_qzeros[expert].cpu(), g).to(torch.float64)
+        w2 = dequantize(weights.w2_qweight[expert].cpu(), weights.w2_scales[expert].cpu(),
+                        weights.w2_qzeros[expert].cpu(), g).to(torch.float64)
         tokens, slots = (ids == expert).nonzero(as_tuple=True)
         for t, j in zip(tokens.tolist(), slots.tolist()):
             gate_up = x[t] @ w13
             act = torch.nn.functional.silu(gate_up[:n]) * gate_up[n:]
-            out[t] += weights[t, j] * (act @ w2)
+            out[t] += routing_weights[t, j] * (act @ w2)
     return out
 
 

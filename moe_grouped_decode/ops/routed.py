@@ -17,39 +17,24 @@ from __future__ import annotations
 
 import torch
 
+from ..awq import AwqMoeWeights
 from .awq_moe import LIBRARY, _fail, check_moe_args
 from .workspace import workspace_numel
 
 OP = "awq_moe_routed"
 
 
-def check_routed_args(
-    hidden_states: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_qweight: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w13_qzeros: torch.Tensor,
-    w2_qweight: torch.Tensor,
-    w2_scales: torch.Tensor,
-    w2_qzeros: torch.Tensor,
-    group_size: int,
-    workspace: torch.Tensor,
-    grouped_min_tokens: int,
-    grouped_max_tokens: int,
-) -> None:
+def check_routed_args(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights, workspace: torch.Tensor,
+                      grouped_min_tokens: int, grouped_max_tokens: int) -> None:
     """The dense op's checks, plus: the workspace holds the window's largest grouped call."""
-    check_moe_args(
-        OP, hidden_states, topk_weights, topk_ids,
-        w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size,
-    )
+    check_moe_args(OP, hidden_states, topk_weights, topk_ids, weights)
     if not 1 <= grouped_min_tokens <= grouped_max_tokens:
         _fail(OP, f"grouped token window must satisfy 1 <= min <= max, got {grouped_min_tokens}..{grouped_max_tokens}")
     if workspace.dtype != torch.int32 or workspace.dim() != 1:
         _fail(OP, f"workspace must be a 1-D int32 tensor from alloc_workspace(), got {workspace.dtype} {tuple(workspace.shape)}")
     if workspace.device != hidden_states.device:
         _fail(OP, f"workspace is on {workspace.device}, but hidden_states is on {hidden_states.device}")
-    K, k, N = hidden_states.shape[1], topk_ids.shape[1], w2_qweight.shape[1]
+    K, k, N = hidden_states.shape[1], topk_ids.shape[1], weights.intermediate_size
     need = workspace_numel(grouped_max_tokens * k, K, N)
     if need > workspace.numel():
         _fail(
@@ -76,24 +61,18 @@ def awq_moe_routed(
     grouped_max_tokens: int,
 ) -> torch.Tensor:
     """Grouped route when M lies in [grouped_min_tokens, grouped_max_tokens], dense otherwise."""
-    check_routed_args(
-        hidden_states, topk_weights, topk_ids, w13_qweight, w13_scales, w13_qzeros,
-        w2_qweight, w2_scales, w2_qzeros, group_size, workspace, grouped_min_tokens, grouped_max_tokens,
-    )
-    args = (hidden_states, topk_weights, topk_ids, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size)
+    weights = AwqMoeWeights(w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size)
+    check_routed_args(hidden_states, topk_weights, topk_ids, weights, workspace, grouped_min_tokens, grouped_max_tokens)
     if grouped_min_tokens <= hidden_states.shape[0] <= grouped_max_tokens:
-        return torch.ops.moe_grouped_decode.awq_moe_grouped_decode(*args, workspace)
-    return torch.ops.moe_grouped_decode.awq_moe_dense(*args)
+        return torch.ops.moe_grouped_decode.awq_moe_grouped_decode(
+            hidden_states, topk_weights, topk_ids, *weights.op_args(), workspace)
+    return torch.ops.moe_grouped_decode.awq_moe_dense(hidden_states, topk_weights, topk_ids, *weights.op_args())
 
 
 @awq_moe_routed.register_fake
-def _awq_moe_routed_fake(
-    hidden_states, topk_weights, topk_ids, w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros,
-    group_size, workspace, grouped_min_tokens, grouped_max_tokens,
-):
+def _awq_moe_routed_fake(hidden_states, topk_weights, topk_ids, *rest):
     # No branch on M here: with a symbolic M that would add a guard and split the graph.
-    check_routed_args(
-        hidden_states, topk_weights, topk_ids, w13_qweight, w13_scales, w13_qzeros,
-        w2_qweight, w2_scales, w2_qzeros, group_size, workspace, grouped_min_tokens, grouped_max_tokens,
-    )
+    *weight_args, workspace, grouped_min_tokens, grouped_max_tokens = rest
+    check_routed_args(hidden_states, topk_weights, topk_ids, AwqMoeWeights(*weight_args), workspace,
+                      grouped_min_tokens, grouped_max_tokens)
     return hidden_states.new_empty(hidden_states.shape)

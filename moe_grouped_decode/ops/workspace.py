@@ -8,20 +8,17 @@ graphs order it correctly.
 
 Layout for capacity R rows (every region starts on a 64-byte boundary)::
 
-    live_count      [1]        int32  A, the number of active experts (device side)
-    sorted_rows     [R]        int32  routed row ids (t * k + j) grouped by expert
-    active_experts  [R]        int32  expert id of segment a (first A are live)
-    segment_offsets [R + 1]    int32  segment a is sorted_rows[offsets[a]:offsets[a+1]]
-    sorted_experts  [R]        int32  CUDA compaction scratch: the expert of each sorted position
     combine_arrivals [R*K/8]   int32  CUDA fused combine: W2 programs arrived per (token, column tile);
                                       M * ceil(K / w2_block_k) are used, this bounds it for any tile
     activations     [R, N]     fp32   silu(gate) * up, one row per routed row
     row_outputs     [R, K]     fp32   W2 output per routed row, before the combine
     gate_up_partials [S, R, 2N] fp32  CUDA W13 split-K partial sums, room for S = MAX_SPLIT_K splits
 
-Every CUDA W2 program of a routed row sums the row's W13 partials in a fixed
-order and writes the same activations to ``activations`` (then reads its
-tensor-core fragments back from there); the CPU implementation uses no partials.
+Every CUDA ``tl`` W2 program of a routed row sums the row's W13 partials in a fixed order and
+writes the same activations to ``activations`` (then reads its tensor-core fragments back from
+there; the Gluon W2 keeps them in shared memory); the CPU implementation uses no partials.
+The CUDA kernels index experts by routed row and need no compaction; the CPU implementation
+compacts the rows in torch (``awq_moe.compact_rows``), outside the workspace.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.configs import MAX_SPLIT_K
+from ..kernels.config import MAX_SPLIT_K
 
 _ALIGN = 16  # int32 elements = 64 bytes
 
@@ -48,11 +45,6 @@ class WorkspaceLayout:
     def _regions(self):
         R, K, N = self.rows, self.hidden_size, self.intermediate_size
         return (
-            ("live_count", 1),
-            ("sorted_rows", R),
-            ("active_experts", R),
-            ("segment_offsets", R + 1),
-            ("sorted_experts", R),
             ("combine_arrivals", R * -(-K // 8)),
             ("activations", R * N),
             ("row_outputs", R * K),
@@ -96,11 +88,6 @@ def alloc_workspace(max_tokens: int, top_k: int, hidden_size: int, intermediate_
 
 @dataclass(frozen=True)
 class WorkspaceViews:
-    live_count: torch.Tensor
-    sorted_rows: torch.Tensor
-    active_experts: torch.Tensor
-    segment_offsets: torch.Tensor
-    sorted_experts: torch.Tensor
     combine_arrivals: torch.Tensor
     activations: torch.Tensor  # fp32 [R, N]
     row_outputs: torch.Tensor  # fp32 [R, K]
@@ -114,11 +101,6 @@ def workspace_views(workspace: torch.Tensor, rows: int, hidden_size: int, interm
     for name, (start, length) in layout.offsets().items():
         views[name] = workspace[start : start + length]
     return WorkspaceViews(
-        live_count=views["live_count"],
-        sorted_rows=views["sorted_rows"],
-        active_experts=views["active_experts"],
-        segment_offsets=views["segment_offsets"],
-        sorted_experts=views["sorted_experts"],
         combine_arrivals=views["combine_arrivals"],
         activations=views["activations"].view(torch.float32).view(rows, intermediate_size),
         row_outputs=views["row_outputs"].view(torch.float32).view(rows, hidden_size),

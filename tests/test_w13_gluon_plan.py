@@ -1,4 +1,4 @@
-"""The Gluon W13's shared-memory plan (kernels/w13_ring.py), checked on index arithmetic (the
+"""The Gluon W13's shared-memory plan (kernels/w13_gluon.py), checked on index arithmetic (the
 interpreter cannot run Gluon; the GPU tests check its bits against the tl kernel): the copies'
 row permutation composed with the permuted shared view must hand every lane awq_mma's fragment
 rows, and each register's reads must hit 32 distinct banks."""
@@ -6,7 +6,7 @@ import inspect
 
 import numpy as np
 
-from moe_grouped_decode.kernels import w13_ring
+from moe_grouped_decode.kernels import w13_gluon
 
 
 def pi(q):  # global chunk row held by shared row q (the copies' chunk_row)
@@ -49,8 +49,8 @@ def test_activation_view_gives_fragment_rows():
 
 
 def test_the_kernel_uses_this_plan():
-    """The plan above is what w13_ring.py's source does (Gluon cannot run here to check it)."""
-    source = inspect.getsource(w13_ring)
+    """The plan above is what w13_gluon.py's source does (Gluon cannot run here to check it)."""
+    source = inspect.getsource(w13_gluon)
     assert "chunk_row = (q & 16) | ((q & 3) << 2) | ((q >> 2) & 3)" in source
     assert ".reshape([2, 4, 4, 8]).permute([3, 2, 0, 1]).reshape([8, 4, 8])" in source
     assert ".reshape([2, 4, 4]).permute([1, 0, 2]).reshape([4, 8])" in source

@@ -1,16 +1,16 @@
-"""W2 in Gluon: the ``tl`` W2's programs with their weights staged in shared memory, not registers.
+"""W2 of the grouped decode in Gluon: ``w2_tl``'s programs with their weights staged in shared memory.
 
 Same programs (row, column tile), fragments, PTX (``awq_mma``'s, with SPLIT_X as ACT_SPLIT and
-the scale multiply ``mul.rn``) and sums as ``grouped._w2_rows_kernel`` with the fused combine, so
-the same bits as the ``tl`` W2 built with ``RN_SCALE`` and the same ACT_SPLIT. What differs is
-where a program keeps its weights: the ``tl`` W2 holds all five 32-row chunks in registers from
-before the PDL wait (128 or more registers: four programs per SM, two waves at M = 8); here
-``cp.async`` copies them into shared memory (at M = 8 64-65 registers with one activation half,
-four or three programs per SM; ~80 with ACT_SPLIT, three; 52 KB; and none beside W13's programs,
-whose shared-memory carveout is smaller; docs/PERF.md says why that is the gain), and the activations go
-through shared memory too (no ``act`` workspace round trip). The copies run AHEAD chunks ahead of
-the mma: a thread whose copy stalls (all programs ask for their weights at once, more than the
-memory system holds in flight) would otherwise not reach the chunks that have already landed::
+the scale multiply ``mul.rn``) and sums as ``w2_tl`` with the fused combine, so the same bits as
+``w2_tl`` built with ``RN_SCALE`` and the same ACT_SPLIT. What differs is where a program keeps
+its weights: ``w2_tl`` holds all five 32-row chunks in registers from before the PDL wait (128
+or more registers: four programs per SM, two waves at M = 8); here ``cp.async`` copies them into
+shared memory (at M = 8 64-65 registers with one activation half, four or three programs per SM;
+52 KB; and none beside W13's programs, whose shared-memory carveout is smaller; docs/PERF.md
+says why that is the gain), and the activations go through shared memory too (no ``act``
+workspace round trip). The copies run AHEAD chunks ahead of the mma: a thread whose copy stalls
+(all programs ask for their weights at once, more than the memory system holds in flight) would
+otherwise not reach the chunks that have already landed::
 
     program (row, tile):  scales, zeros, W2 chunks 0..AHEAD-1 of the tile's columns -> smem  (cp.async)
                           wait for W13 (PDL)
@@ -20,107 +20,44 @@ memory system holds in flight) would otherwise not reach the chunks that have al
                             warp w: awq_mma of chunk c on its 64 columns
                           -> row_out[row]
                           last of the token's k programs on this tile: combine into out
-    program (rows, 0), with COMPACT (the Gluon W13, which cannot sort, ran before):
-                          the compaction, by counting instead of sorting
 
-Gluon only (no interpreter): ``grouped.uses_w2_ring`` falls back to the ``tl`` W2 elsewhere.
+No interpreter support: where Gluon does not run, the plan launches ``w2_tl``.
 """
 
 from .awq_mma import chunk_constraints, chunk_ptx
+from .gluon_helpers import AVAILABLE
 from .timeline import W2_SM_SLOT, W2_STAMP_COUNT
-from .w13_ring import AVAILABLE  # Gluon importable (w13_ring tries); without it the tl W2 serves every config
 
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from .w13_ring import _now, _sm_id
+    from .gluon_helpers import async_copy, now, sm_id, wait_for_previous_launch
 
-    @gluon.jit
-    def _compact_rows(ids_ptr, rows, sorted_rows_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr,
-                      R_PAD: gl.constexpr, WARPS: gl.constexpr):
-        """grouped._compact_rows without a sort: a row's sorted position is the number of (expert,
-        row) keys below its own; it opens a segment if no row with a smaller key has its expert, and
-        the segment's number is the count of openers with a smaller expert. The rows are compared
-        BLOCK at a time against copies in shared memory (no global load inside the loops, few
-        registers: the kernel's register count is the largest of its paths)."""
-        BLOCK: gl.constexpr = 16
-        pair: gl.constexpr = gl.BlockedLayout([1, BLOCK], [32, 1], [WARPS, 1], [1, 0])
-        blocks: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        r = gl.arange(0, R_PAD, layout=gl.SliceLayout(1, pair))
-        valid = r < rows
-        expert = gl.load(ids_ptr + r, mask=valid, other=0)
-        key = gl.where(valid, expert * R_PAD + r, 2**31 - 1)  # padding rows sort last; E * R_PAD < 2^31
-        keys = gl.allocate_shared_memory(gl.int32, [R_PAD // BLOCK, BLOCK], blocks,
-                                         gl.reshape(key, [R_PAD // BLOCK, BLOCK]))
-        experts = gl.allocate_shared_memory(gl.int32, [R_PAD // BLOCK, BLOCK], blocks,
-                                            gl.reshape(expert, [R_PAD // BLOCK, BLOCK]))
-        per_block: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # indexable by block
-        keys = keys._reinterpret(gl.int32, [R_PAD // BLOCK, BLOCK], per_block)
-        experts = experts._reinterpret(gl.int32, [R_PAD // BLOCK, BLOCK], per_block)
-        gl.thread_barrier()  # every row's key is in shared memory before any thread compares
-        rank = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
-        earlier_same = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
-        for b in range(R_PAD // BLOCK):
-            o_key = keys.index(b).load(gl.SliceLayout(0, pair))[None, :]
-            o_expert = experts.index(b).load(gl.SliceLayout(0, pair))[None, :]
-            below = o_key < key[:, None]
-            rank += gl.sum(below.to(gl.int32), axis=1)
-            earlier_same += gl.sum((below & (o_expert == expert[:, None])).to(gl.int32), axis=1)
-        opens = valid & (earlier_same == 0)
-        opener_experts = gl.allocate_shared_memory(gl.int32, [R_PAD // BLOCK, BLOCK], blocks,
-                                                   gl.reshape(gl.where(opens, expert, 2**31 - 1), [R_PAD // BLOCK, BLOCK]))
-        opener_experts = opener_experts._reinterpret(gl.int32, [R_PAD // BLOCK, BLOCK], per_block)
-        gl.thread_barrier()  # every row's opener flag is in shared memory before any thread counts them
-        segment = gl.zeros([R_PAD], gl.int32, layout=gl.SliceLayout(1, pair))
-        for b in range(R_PAD // BLOCK):
-            o_opener = opener_experts.index(b).load(gl.SliceLayout(0, pair))[None, :]
-            segment += gl.sum((o_opener < expert[:, None]).to(gl.int32), axis=1)
-        gl.store(sorted_rows_ptr + rank, r, mask=valid)
-        gl.store(active_experts_ptr + segment, expert, mask=opens)
-        gl.store(segment_offsets_ptr + segment, rank, mask=opens)
-        live = gl.sum(opens.to(gl.int32), axis=0)
-        gl.store(segment_offsets_ptr + live, rows)
-        gl.store(live_count_ptr, live)
-
-    @gluon.jit
-    def w2_ring_kernel(
+    def _w2_gluon(
         ids_ptr, partials_ptr, qweight_ptr, scales_ptr, qzeros_ptr, row_out_ptr, rows,
-        topk_weights_ptr, out_ptr, stride_om, arrivals_ptr,
-        sorted_rows_ptr, sorted_experts_ptr, active_experts_ptr, segment_offsets_ptr, live_count_ptr, timeline_ptr,
+        topk_weights_ptr, out_ptr, stride_om, arrivals_ptr, timeline_ptr,
         K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr, WARPS: gl.constexpr,
         CHUNKS_PAD: gl.constexpr, AHEAD: gl.constexpr, ACT_SPLIT: gl.constexpr, TOP_K: gl.constexpr,
-        IS_BF16: gl.constexpr, USE_PDL: gl.constexpr,
-        COMPACT: gl.constexpr, R_PAD: gl.constexpr, TIMELINE: gl.constexpr,
-        # not read: the binary's launch attribute (kernels/carveout.py), so each setting has a binary of its own
-        MAX_SHARED_CARVEOUT: gl.constexpr = False,
+        IS_BF16: gl.constexpr, USE_PDL: gl.constexpr, TIMELINE: gl.constexpr,
     ):
         """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols] and the fused
-        combine, as grouped._w2_rows_kernel (program (row, tile), warp w: 64 columns). Needs
-        K // 8 to be a multiple of 8 * WARPS (grouped.uses_w2_ring)."""
+        combine, as w2_tl's (program (row, tile), warp w: 64 columns). Needs K // 8 to be a multiple
+        of 8 * WARPS (the plan launches w2_tl otherwise)."""
         row = gl.program_id(0)
         tile = gl.program_id(1)
-        stamps = timeline_ptr + (row * gl.num_programs(1) + tile) * W2_STAMP_COUNT
+        stamps = (row * gl.num_programs(1) + tile) * W2_STAMP_COUNT
         if TIMELINE:
-            gl.store(stamps, _now())
-            gl.store(stamps + W2_SM_SLOT, _sm_id())
-        if COMPACT:
-            if row == rows:
-                if tile == 0:
-                    _compact_rows(ids_ptr, rows, sorted_rows_ptr, active_experts_ptr, segment_offsets_ptr,
-                                  live_count_ptr, R_PAD, WARPS)
-                if TIMELINE:
-                    gl.store(stamps + 4, _now())
-                return
+            gl.store(timeline_ptr + stamps, now())
+            gl.store(timeline_ptr + stamps + W2_SM_SLOT, sm_id())
         PACKED_K: gl.constexpr = K // 8
         CHUNKS: gl.constexpr = N // 32
-        gl.static_assert((AHEAD >= 1) and (AHEAD <= CHUNKS), "AHEAD: 1 to N / 32 chunks (grouped.py clamps it)")
+        gl.static_assert((AHEAD >= 1) and (AHEAD <= CHUNKS), "AHEAD: 1 to N / 32 chunks (the plan clamps it)")
         HALF: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
         expert = gl.load(ids_ptr + row).to(gl.int64)
         word0 = tile * (WARPS * 8)  # the program's first packed column; warp w has words word0 + 8 w + g
 
-        # words: [chunk, warp, 32 rows (in w13_ring's conflict-free order), 8 words], 16-byte copies
+        # words: [chunk, warp, 32 rows (in w13_gluon's conflict-free order), 8 words], 16-byte copies
         w_copy: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 16, 2], [WARPS, 1, 1], [2, 1, 0])
         ww = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_copy)))[:, None, None]
         wq = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_copy)))[None, :, None]
@@ -154,10 +91,9 @@ if AVAILABLE:
             async_copy.async_copy_global_to_shared(w_smem.index(c), w_src + c * 32 * PACKED_K)
             async_copy.commit_group()
 
-        if USE_PDL:  # pdl.wait_for_previous_launch, in Gluon: W13's partials are complete past here
-            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        wait_for_previous_launch(USE_PDL)  # W13's partials are complete past here
         if TIMELINE:
-            gl.store(stamps + 1, _now())
+            gl.store(timeline_ptr + stamps + 1, now())
 
         # act = silu(gate) * up (awq_tiles.silu_mul's formula) from the partials summed in split
         # order, [chunk, 32 rows], as 16-bit hi + lo halves (or one half) in shared memory
@@ -189,7 +125,7 @@ if AVAILABLE:
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         z_rows = z_smem._reinterpret(gl.int32, [CHUNKS_PAD, WARPS, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         if TIMELINE:
-            gl.store(stamps + 2, _now())
+            gl.store(timeline_ptr + stamps + 2, now())
 
         # frag: [warp, 8 (g), 4 (t), 8 (e)]; awq_mma's lane layout per warp
         frag: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 8, 4, 1], [WARPS, 1, 1, 1], [3, 2, 1, 0])
@@ -238,7 +174,7 @@ if AVAILABLE:
         gl.store(row_out_ptr + row * K + cols, acc_lo, mask=keep)
         gl.store(row_out_ptr + row * K + cols + 4, acc_hi, mask=keep)
         if TIMELINE:
-            gl.store(stamps + 3, _now())
+            gl.store(timeline_ptr + stamps + 3, now())
 
         # the fused combine (combine.combine_tile): the last of the token's k programs on this tile
         # sums its k row outputs in j order
@@ -255,4 +191,8 @@ if AVAILABLE:
                 total += weight * gl.load(row_out_ptr + (t64 * TOP_K + j) * K + tile_cols, cache_modifier=".cg")
             gl.store(out_ptr + t64 * stride_om + tile_cols, total.to(out_ptr.dtype.element_ty))
         if TIMELINE:
-            gl.store(stamps + 4, _now())
+            gl.store(timeline_ptr + stamps + 4, now())
+
+    w2_gluon_kernel = gluon.jit(_w2_gluon)
+    # the same kernel with binaries of its own, for the launches that prefer the largest carveout (carveout.py)
+    w2_gluon_kernel_max_carveout = gluon.jit(_w2_gluon)

@@ -1,13 +1,12 @@
-"""W13 in Gluon: v8's W13 programs with every load staged in shared memory (cp.async).
+"""W13 of the grouped decode in Gluon: ``w13_tl``'s programs with every load staged in shared memory.
 
-Same programs, fragments, PTX (``awq_mma``) and partials as ``grouped._w13_kernel``
-with one warp, so the same bits; what differs is how the bytes arrive. Triton's ``tl``
-keeps a load in flight only in registers (one or two 32-row chunks per warp, and its
-software pipeliner turns fragment loads into 4-byte copies); here each program owns a
-STAGES-deep ring of shared-memory chunks filled by 16-byte ``cp.async``, and the split's
-activations, scales and zero words are copied once up front, so no chunk waits on a
-global load of its own. Then W13 is bound by the instructions it issues, and this
-version issues fewer (docs/PERF.md v9)::
+Same programs, fragments, PTX (``awq_mma``) and partials as ``w13_tl`` with one warp, so the
+same bits; what differs is how the bytes arrive. Triton's ``tl`` keeps a load in flight only in
+registers (one or two 32-row chunks per warp, and its software pipeliner turns fragment loads
+into 4-byte copies); here each program owns a STAGES-deep ring of shared-memory chunks filled
+by 16-byte ``cp.async``, and the split's activations, scales and zero words are copied once up
+front, so no chunk waits on a global load of its own. Then W13 is bound by the instructions it
+issues, and this version issues fewer (docs/PERF.md)::
 
     program (row, split s, tile):
       group 0:  x[token, split] -> x_smem    scales, zeros of the split's groups -> s_smem, z_smem
@@ -18,62 +17,41 @@ version issues fewer (docs/PERF.md v9)::
                 awq_mma PTX -> float32 accumulators
       -> partials[s, row, tile's 64 columns]
 
-Program 0 only zeroes the W2 launch's combine counters: Gluon has no sort, so with this
-kernel the W2 launch does the compaction (``grouped._w2_rows_kernel``'s COMPACT).
-No interpreter support (TRITON_INTERPRET runs the ``tl`` kernel instead; ``AVAILABLE``).
+Program 0 zeroes the W2 launch's combine counters. No interpreter support: where Gluon does
+not run, the plan launches ``w13_tl``.
 """
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-
-    AVAILABLE = True
-except ImportError:  # a Triton without Gluon: the tl kernel serves every config
-    AVAILABLE = False
-
 from .awq_mma import chunk_constraints, chunk_ptx
-from .timeline import GLOBALTIMER_PTX, SMID_PTX, W13_SM_SLOT, W13_STAMP_COUNT
+from .gluon_helpers import AVAILABLE
+from .timeline import W13_SM_SLOT, W13_STAMP_COUNT
 
 if AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
 
-    @gluon.jit
-    def _now():
-        """kernels.timeline.now, in Gluon."""
-        return gl.inline_asm_elementwise(GLOBALTIMER_PTX, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+    from .gluon_helpers import async_copy, let_next_launch_start, now, sm_id
 
-    @gluon.jit
-    def _sm_id():
-        """kernels.timeline.sm_id, in Gluon."""
-        return gl.inline_asm_elementwise(SMID_PTX, "=r", [], dtype=gl.int32, is_pure=True, pack=1).to(gl.int64)
-
-    @gluon.jit
-    def w13_ring_kernel(
+    def _w13_gluon(
         x_ptr, stride_xm, ids_ptr, qweight_ptr, scales_ptr, qzeros_ptr, partials_ptr, rows, arrivals_ptr,
         num_arrivals, timeline_ptr,
         TOP_K: gl.constexpr, K: gl.constexpr, TWO_N: gl.constexpr, G: gl.constexpr, CHUNKS: gl.constexpr,
         CHUNKS_PAD: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr, ARRIVALS_PAD: gl.constexpr,
         IS_BF16: gl.constexpr, USE_PDL: gl.constexpr, TIMELINE: gl.constexpr,
-        # not read: the binary's launch attribute (kernels/carveout.py), so each setting has a binary of its own
-        MAX_SHARED_CARVEOUT: gl.constexpr = False,
     ):
         """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols]
-        (one warp; program 1 + (row * SPLITS + s) * TILES + tile, as grouped._w13_kernel)."""
-        if USE_PDL:  # grouped.let_next_launch_start, in Gluon
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+        (one warp; program 1 + (row * SPLITS + s) * TILES + tile, as w13_tl's)."""
+        let_next_launch_start(USE_PDL)
         pid = gl.program_id(0)
-        stamps = timeline_ptr + pid * W13_STAMP_COUNT
         if TIMELINE:
-            gl.store(stamps, _now())
-            gl.store(stamps + W13_SM_SLOT, _sm_id())
+            gl.store(timeline_ptr + pid * W13_STAMP_COUNT, now())
+            gl.store(timeline_ptr + pid * W13_STAMP_COUNT + W13_SM_SLOT, sm_id())
         if pid == 0:
             if ARRIVALS_PAD > 0:
                 flat: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
                 a = gl.arange(0, ARRIVALS_PAD, layout=flat)
                 gl.store(arrivals_ptr + a, gl.zeros([ARRIVALS_PAD], gl.int32, layout=flat), mask=a < num_arrivals)
             if TIMELINE:
-                gl.store(stamps + 1, _now())
+                gl.store(timeline_ptr + 1, now())
             return
         PACKED_N: gl.constexpr = TWO_N // 8
         TILES: gl.constexpr = PACKED_N // 8
@@ -182,4 +160,8 @@ if AVAILABLE:
         gl.store(out_base + cols, acc_lo, mask=keep)
         gl.store(out_base + cols + 4, acc_hi, mask=keep)
         if TIMELINE:
-            gl.store(stamps + 1, _now())
+            gl.store(timeline_ptr + pid * W13_STAMP_COUNT + 1, now())
+
+    w13_gluon_kernel = gluon.jit(_w13_gluon)
+    # the same kernel with binaries of its own, for the launches that prefer the largest carveout (carveout.py)
+    w13_gluon_kernel_max_carveout = gluon.jit(_w13_gluon)

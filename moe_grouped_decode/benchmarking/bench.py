@@ -1,0 +1,466 @@
+"""``python -m moe_grouped_decode bench``: per-layer microseconds at every token count, beside vLLM's own.
+
+One CUDA graph per (column, M) runs ``--layers`` MoE layers with distinct weights (and their
+own random routing and activations) back to back, so the 60 MB L2 of an H200 stays cold as in a
+real model step; the time per layer is the graph's replay time over the layer count (median of
+``--reps`` replays). From M = ``--large-from`` tokens on every layer reads all of its experts
+(over 360 MB, six times the L2), so ``--large-layers`` layers keep L2 as cold: fewer layers
+there, and the output says so.
+
+Columns, measured in the same run on the same weights, routing and activations:
+  grouped      the grouped op (awq_moe_grouped_decode), up to M = --grouped-max
+  prefill      the prefill route (awq_moe_dense: the on-device sort, W13 + SiLU, W2, combine)
+  plugin       the route the plugin runs at this M for the layer (contract.admits: grouped
+               where it admits M, prefill elsewhere), and its time
+  humming      vLLM 0.32's HUMMING MoE backend (what stock vLLM picks on an H200), and
+  marlin       its MARLIN backend, through the harnesses in --anchors (../shared/anchors,
+               fetched by its fetch_sources.py); not measured without them
+  floor1       the read floor: one launch streaming exactly the active experts' bytes
+  floor2       the same after a compaction launch (two dependent launches, as the grouped
+               op has), up to M = 32
+  compute      the tensor-core floor: the layer's FLOPs at --peak-tflops (an H200's dense
+               16-bit rate measured on random data, ~790 TFLOP/s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from .. import env
+from ..awq import synthetic_moe_weights
+from ..contract import QWEN38_TP4, LayerShape, admits
+from .replay import graph_replay_us
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+FLOOR2_MAX_TOKENS = 32  # floor2's compaction is one program's sort of the R routed rows
+
+
+def _expert_bytes(weights) -> int:
+    return sum(t[0].numel() * t.element_size() for t in weights.tensors())
+
+
+def _random_routing(M: int, top_k: int, E: int, gen: torch.Generator):
+    ids = torch.rand(M, E, generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
+    tw = torch.rand(M, top_k, generator=gen)
+    return ids, tw / tw.sum(1, keepdim=True)
+
+
+def rotated_layers(count: int, dtype, device):
+    """``count`` qwen3.8-tp4 layers of distinct synthetic weights (seeds 1000 + i), the layers every
+    benchmark rotates through one CUDA graph so that L2 stays cold."""
+    c = QWEN38_TP4
+    return [synthetic_moe_weights(c.num_experts, c.hidden_size, c.intermediate_size, c.group_size, dtype=dtype,
+                                  seed=1000 + i, device=device) for i in range(count)]
+
+
+def random_layer_inputs(M: int, top_k: int, E: int, K: int, count: int, dtype, device, gen: torch.Generator):
+    """``count`` decode steps of random routing and activations: lists of topk_ids, topk
+    weights and x on ``device``, drawn from ``gen`` in one fixed order (every routing, then
+    every x), so each benchmark sees the same inputs from the same seed."""
+    routings = [_random_routing(M, top_k, E, gen) for _ in range(count)]
+    xs = [torch.randn(M, K, generator=gen).to(dtype).to(device) for _ in range(count)]
+    return [r[0].to(device) for r in routings], [r[1].to(device) for r in routings], xs
+
+
+def layer_flops(M: int, top_k: int, K: int, N: int) -> float:
+    """Multiply-adds x 2 of one layer: every routed row through W13 (K x 2N) and W2 (N x K)."""
+    return 2.0 * M * top_k * (K * 2 * N + N * K)
+
+
+def load_anchor(anchors_dir: Path, name: str):
+    """The shared harness ``anchors_dir/name/bench.py`` (../shared/anchors) as a module."""
+    os.environ["ANCHOR_SRC"] = str(anchors_dir.resolve())
+    path = anchors_dir / name / "bench.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_anchor", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_anchors(anchors_dir: Optional[Path], layers, inputs: Dict[int, tuple], dtype, reps: int) -> Dict:
+    """{backend: {M: us}} of vLLM's Marlin and Humming MoE on the bench's own weights and inputs
+    (Marlin first: Humming then reuses its align op), or {backend: error} where it cannot run."""
+    results: Dict[str, object] = {}
+    if anchors_dir is None:
+        return {name: "not measured (no --anchors)" for name in ("marlin", "humming")}
+    awq = [{name: getattr(w, name) for name in ("w13_qweight", "w13_scales", "w13_qzeros", "w2_qweight", "w2_scales",
+                                               "w2_qzeros")} for w in layers]
+    for name in ("marlin", "humming"):
+        try:
+            module = load_anchor(anchors_dir, f"{name}_moe")
+            times = {}
+            for count in sorted({len(v[0]) for v in inputs.values()}):
+                Ms = [M for M, v in inputs.items() if len(v[0]) == count]
+                rows = module.time_backend(awq[:count], Ms=Ms, dtypes=[dtype], reps=reps,
+                                           xs={M: inputs[M][2][0] for M in Ms},
+                                           plans={M: list(zip(inputs[M][0], inputs[M][1])) for M in Ms})
+                times.update({row["M"]: row["full"]["us"] for row in rows})
+            results[name] = times
+            print(f"[bench] {name}: " + ", ".join(f"M={M} {us:.1f}" for M, us in sorted(times.items())), flush=True)
+        except Exception as exc:  # an anchor that cannot build or run here leaves its column empty, said why
+            results[name] = f"not measured: {type(exc).__name__}: {exc}"[:300]
+            print(f"[bench] {name}: {results[name]}", flush=True)
+    return results
+
+
+def run(args) -> Dict:
+    from ..ops import alloc_workspace
+    from .read_floor import Compaction, floor2, floor_blocks, read_active_experts
+
+    dtype = DTYPES[args.dtype]
+    c = QWEN38_TP4
+    E, k, K, N = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size
+    shape = LayerShape(E, k, K, N, c.group_size, dtype)
+    device = torch.device("cuda")
+    t0 = time.time()
+    tokens = sorted({int(m) for m in args.tokens.split(",") if m})
+    print(f"[bench] generating {args.layers} layers of {c.name} weights on the GPU ...", flush=True)
+    layers = rotated_layers(args.layers, dtype, device)
+    per_expert = _expert_bytes(layers[0])
+    grouped_tokens = [M for M in tokens if M <= args.grouped_max]
+    workspace = alloc_workspace(max(grouped_tokens), k, K, N, device) if grouped_tokens else None
+    gen = torch.Generator().manual_seed(0)
+    inputs = {}
+    for M in tokens:
+        count = args.layers if M < args.large_from else min(args.layers, args.large_layers)
+        inputs[M] = random_layer_inputs(M, k, E, K, count, dtype, device, gen)
+    rows: List[Dict] = []
+    for M in tokens:
+        ids, tws, xs = inputs[M]
+        count = len(ids)
+        active_lists = [torch.unique(i).to(torch.int32) for i in ids]
+        mean_active = sum(a.numel() for a in active_lists) / count
+        live_counts = [torch.tensor([a.numel()], dtype=torch.int32, device=device) for a in active_lists]
+        max_active = min(M * k, E)
+        sink = torch.empty(max_active * floor_blocks(layers[0].tensors()), dtype=torch.int32, device=device)
+        plugin_route = "grouped" if admits(shape, M) else "prefill"
+        row = {"M": M, "layers": count, "active_experts": mean_active, "active_MB": mean_active * per_expert / 1e6,
+               "route": plugin_route, "compute_us": layer_flops(M, k, K, N) / (args.peak_tflops * 1e12) * 1e6}
+
+        def floor1(layer):
+            read_active_experts(active_lists[layer], live_counts[layer], sink, max_active, layers[layer].tensors())
+
+        def prefill(layer):
+            torch.ops.moe_grouped_decode.awq_moe_dense(xs[layer], tws[layer], ids[layer], *layers[layer].op_args())
+
+        columns = {"floor1": floor1, "prefill": prefill}
+        if M in grouped_tokens:
+            def grouped(layer):
+                torch.ops.moe_grouped_decode.awq_moe_grouped_decode(
+                    xs[layer], tws[layer], ids[layer], *layers[layer].op_args(), workspace)
+
+            columns["grouped"] = grouped
+        if M <= FLOOR2_MAX_TOKENS:
+            compaction = Compaction.alloc(M * k, device)
+
+            def floor2_step(layer):
+                floor2(ids[layer], compaction, sink, max_active, layers[layer].tensors())
+
+            columns["floor2"] = floor2_step
+        for name, step in columns.items():
+            row[f"{name}_us"] = graph_replay_us(step, count, args.reps)
+            print(f"[bench] M={M:<5} {name:<8} {row[f'{name}_us']:9.2f} us/layer  ({time.time() - t0:.0f}s)", flush=True)
+        row["plugin_us"] = row.get(f"{plugin_route}_us")
+        rows.append(row)
+        torch.cuda.empty_cache()
+    anchors = time_anchors(Path(args.anchors) if args.anchors else None, layers, inputs, dtype, args.reps)
+    for row in rows:
+        for name in ("humming", "marlin"):
+            times = anchors[name]
+            row[f"{name}_us"] = times.get(row["M"]) if isinstance(times, dict) else None
+        vllm = [row[f"{n}_us"] for n in ("humming", "marlin") if row[f"{n}_us"] is not None]
+        row["vllm_best_us"] = min(vllm) if vllm else None
+        row["speedup"] = row["vllm_best_us"] / row["plugin_us"] if vllm and row["plugin_us"] else None
+        floor = max(row["floor1_us"], row["compute_us"])
+        row["plugin_over_floor"] = row["plugin_us"] / floor if row["plugin_us"] else None
+    sweep = _sweep(args, layers, workspace, gen) if args.sweep else []
+    breakdown = _breakdown(args, layers, workspace, gen) if args.breakdown else []
+    prefill_sweep = _prefill_sweep(args, layers, gen) if args.prefill_sweep else []
+    prefill_breakdown = _prefill_breakdown(args, layers, gen) if args.prefill_breakdown else []
+    return {
+        "sweep": sweep,
+        "prefill_sweep": prefill_sweep,
+        "prefill_breakdown": prefill_breakdown,
+        "breakdown": breakdown,
+        "contract": c.name,
+        "grouped_window": [c.min_tokens, c.max_tokens],
+        "dtype": args.dtype,
+        "layers_rotated": args.layers,
+        "large_layers": {"from_M": args.large_from, "layers": args.large_layers},
+        "peak_tflops": args.peak_tflops,
+        "bytes_per_expert": per_expert,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "python": platform.python_version(),
+        "anchors": {name: (value if isinstance(value, str) else "measured") for name, value in anchors.items()},
+        "w13_kernel": _w13_kernel_name(),
+        "rows": rows,
+        "seconds": time.time() - t0,
+    }
+
+
+def _time_configs(tag: str, M: int, count: int, layers, gen, args, configs, launch) -> List[Dict]:
+    """``launch(x, topk_weights, topk_ids, weights, out, config)`` for each of ``configs`` at M,
+    timed the bench's way over ``count`` layers; each config's output on the first layer against
+    the prefill route's (the op's ``awq_moe_dense``), as scaled max diff. Printed fastest first."""
+    c = QWEN38_TP4
+    ids, tws, xs = random_layer_inputs(M, c.top_k, c.num_experts, c.hidden_size, count, layers[0].dtype,
+                                       torch.device("cuda"), gen)
+    outs = [torch.empty_like(x) for x in xs]
+    want = torch.ops.moe_grouped_decode.awq_moe_dense(xs[0], tws[0], ids[0], *layers[0].op_args()).float()
+    results = []
+    for config in configs:
+        outs[0].fill_(float("nan"))
+
+        def step(layer, config=config):
+            launch(xs[layer], tws[layer], ids[layer], layers[layer], outs[layer], config)
+
+        us = graph_replay_us(step, count, args.reps)
+        diff = ((outs[0].float() - want).abs().max() / want.abs().max()).item()
+        results.append({"M": M, "us": us, "scaled_diff_vs_prefill": diff, **dataclasses.asdict(config)})
+    for result, config in sorted(zip(results, configs), key=lambda rc: rc[0]["us"]):
+        print(f"[{tag}] M={M} {result['us']:9.2f} us  diff {result['scaled_diff_vs_prefill']:.1e}  {config}", flush=True)
+    torch.cuda.empty_cache()
+    return results
+
+
+def _sweep(args, layers, workspace, gen) -> List[Dict]:
+    """Every autotune candidate config of the grouped op at each of ``--sweep``'s token counts
+    (the unit tests cover only the table's configs)."""
+    from ..kernels import config as kernel_config
+    from ..kernels import cuda_capability, plan
+    from ..ops import launch_grouped
+
+    device = torch.device("cuda")
+    configs = [candidate.fitted(QWEN38_TP4.hidden_size)
+               for candidate in kernel_config.grouped_candidates(cuda_capability(device), plan.kernel_family(device))]
+
+    def launch(x, tw, ids, weights, out, config):
+        launch_grouped(x, tw, ids, weights, workspace, out, config)
+
+    return [row for M in (int(m) for m in args.sweep.split(","))
+            for row in _time_configs("sweep", M, args.layers, layers, gen, args, configs, launch)]
+
+
+def _breakdown(args, layers, workspace, gen) -> List[Dict]:
+    """Each grouped stage alone, same method (the plan's ``stages``).
+
+    Stages after W13 reuse whatever partials the last layer left in the workspace: the timing
+    is right, the numbers are not. W2 alone with the fused combine leaves out the combine's
+    sums: only the W13 launch zeroes the arrival counters, so without it no W2 program arrives
+    last."""
+    from ..ops import grouped_plan_for, launch_grouped
+
+    c = QWEN38_TP4
+    device = torch.device("cuda")
+    results = []
+    for M in [int(m) for m in args.breakdown.split(",")]:
+        ids, tws, xs = random_layer_inputs(M, c.top_k, c.num_experts, c.hidden_size, args.layers, layers[0].dtype,
+                                           device, gen)
+        out = torch.empty_like(xs[0])
+        full = grouped_plan_for(xs[0], ids[0], layers[0])
+        row = {"M": M, "config": dataclasses.asdict(full.config)}
+        launched = tuple(launch.stage for launch in full.launches)
+        for stages in (launched,) + tuple((stage,) for stage in launched):
+            def step(layer, stages=stages):
+                launch_grouped(xs[layer], tws[layer], ids[layer], layers[layer], workspace, out, stages=stages)
+
+            name = "+".join(stages)
+            row[name] = graph_replay_us(step, args.layers, args.reps)
+            print(f"[breakdown] M={M} {name:<24} {row[name]:8.2f} us/layer", flush=True)
+        results.append(row)
+    return results
+
+
+def parse_prefill_configs(text: str):
+    """``TB,W13_WARPS,W13_STAGES,W2_WARPS;...`` as PrefillConfigs."""
+    from ..kernels.config import PrefillConfig
+
+    return [PrefillConfig(*(int(v) for v in item.split(","))) for item in text.split(";") if item]
+
+
+def _prefill_sweep(args, layers, gen) -> List[Dict]:
+    """The prefill route at each of ``--prefill-sweep``'s token counts under each of
+    ``--prefill-configs`` (``--large-layers`` layers; the tests cover every config's numerics)."""
+    from ..ops import launch_prefill
+
+    configs = parse_prefill_configs(args.prefill_configs)
+    count = min(args.layers, args.large_layers)
+    return [row for M in (int(m) for m in args.prefill_sweep.split(","))
+            for row in _time_configs("prefill-sweep", M, count, layers, gen, args, configs, launch_prefill)]
+
+
+def _prefill_breakdown(args, layers, gen) -> List[Dict]:
+    """The prefill route's stages at each of ``--prefill-breakdown``'s token counts: the plan's
+    launches run up to and including each stage (the sort's four, W13, W2, the combine), same
+    method; a stage's time is the difference to the run before it."""
+    from ..kernels import plan as launch_plan
+    from ..ops import prefill_plan_for
+
+    c = QWEN38_TP4
+    device = torch.device("cuda")
+    results = []
+    for M in [int(m) for m in args.prefill_breakdown.split(",")]:
+        count = min(args.layers, args.large_layers)
+        ids, tws, xs = random_layer_inputs(M, c.top_k, c.num_experts, c.hidden_size, count, layers[0].dtype, device,
+                                           gen)
+        plan = prefill_plan_for(xs[0], ids[0], layers[0])
+        scratch = torch.empty(plan.scratch_numel, dtype=torch.int32, device=device)
+        out = torch.empty_like(xs[0])
+        stage_ends = [i + 1 for i, launch in enumerate(plan.launches)
+                      if i + 1 == len(plan.launches) or plan.launches[i + 1].stage != launch.stage]
+        row, before = {"M": M, "config": dataclasses.asdict(plan.config)}, 0.0
+        for end in stage_ends:
+            def step(layer, end=end):
+                launch_plan.launch_prefill(dataclasses.replace(plan, launches=plan.launches[:end]), xs[layer],
+                                           tws[layer], ids[layer], layers[layer], scratch, out)
+
+            us = graph_replay_us(step, count, args.reps)
+            row[plan.launches[end - 1].stage] = us - before
+            before = us
+        row["all"] = before
+        print(f"[prefill-breakdown] M={M} " + " ".join(f"{k} {v:.1f}" for k, v in row.items() if k not in ("M", "config")),
+              flush=True)
+        results.append(row)
+    return results
+
+
+def write_routes(result: Dict, path: Path) -> tuple:
+    """Set this GPU's grouped window of the contract in the route table at ``path``: the longest
+    run of measured M from the smallest up where the grouped op is at least as fast as the
+    prefill route (beyond the last measured M of the run the prefill route serves)."""
+    window_top = None
+    for row in result["rows"]:
+        if row.get("grouped_us") is None or row["grouped_us"] > row["prefill_us"]:
+            break
+        window_top = row["M"]
+    if window_top is None:
+        raise SystemExit("bench --write-routes: the grouped op is slower than the prefill route at the smallest M")
+    table = json.loads(path.read_text())
+    table[result["contract"]]["gpus"][result["gpu"]] = {"grouped_tokens": [1, window_top]}
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return 1, window_top
+
+
+def _fmt(value, spec):
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def _w13_kernel_name() -> str:
+    """Which kernel family the grouped op runs here (kernels.plan.gluon_runs)."""
+    from ..kernels import plan
+
+    if not env.gluon_w13_enabled():
+        return f"tl ({env.GLUON_W13_ENV}=0)"
+    return "Gluon" if plan.kernel_family(torch.device("cuda")) == "gluon" else "tl (no Gluon)"
+
+
+def markdown(result: Dict) -> str:
+    large = result["large_layers"]
+    lines = [
+        f"{result['contract']} {result['dtype']}, {result['gpu']}, torch {result['torch']}, triton {result['triton']}; "
+        f"us per layer (median of CUDA-graph replays), {result['layers_rotated']} layers of distinct weights rotated "
+        f"(from M = {large['from_M']} on, {large['layers']}: every layer reads all of its experts there); grouped "
+        f"window {result['grouped_window'][0]}..{result['grouped_window'][1]}; vLLM's backends: "
+        + ", ".join(f"{name} {status}" for name, status in result["anchors"].items()),
+        "",
+        "| M | plugin route | plugin | humming | marlin | speedup vs vLLM's faster | grouped | prefill | read floor "
+        "| compute floor | plugin / floor |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        g = r.get
+        lines.append(
+            f"| {r['M']} | {r['route']} | {_fmt(g('plugin_us'), '.1f')} | {_fmt(g('humming_us'), '.1f')} | "
+            f"{_fmt(g('marlin_us'), '.1f')} | {_fmt(g('speedup'), '.2f')}x | {_fmt(g('grouped_us'), '.1f')} | "
+            f"{_fmt(g('prefill_us'), '.1f')} | {_fmt(g('floor1_us'), '.1f')} | {_fmt(g('compute_us'), '.1f')} | "
+            f"{_fmt(g('plugin_over_floor'), '.2f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: Dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = {"plugin": dict(lw=3, color="black"), "humming": dict(color="tab:red"), "marlin": dict(color="tab:orange"),
+              "grouped": dict(ls="--", color="tab:blue"), "prefill": dict(ls="--", color="tab:green"),
+              "floor1": dict(ls=":", color="gray"), "compute": dict(ls="-.", color="gray")}
+    labels = {"floor1": "read floor", "compute": "compute floor", "plugin": "plugin (its route per M)",
+              "humming": "vLLM Humming", "marlin": "vLLM Marlin"}
+    for name, style in styles.items():
+        pts = [(r["M"], r[f"{name}_us"]) for r in result["rows"] if r.get(f"{name}_us") is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", ms=3, label=labels.get(name, name), **style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens M")
+    ax.set_ylabel("us per MoE layer (CUDA-graph replay, L2 cold)")
+    ax.set_title(f"{result['contract']} {result['dtype']} on {result['gpu']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_grouped_decode bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192",
+                        help="token counts (every column at each)")
+    parser.add_argument("--grouped-max", type=int, default=128, help="the grouped op and floor2 up to this M")
+    parser.add_argument("--layers", type=int, default=32, help="layers of distinct weights rotated in one graph (>= 32 keeps L2 cold)")
+    parser.add_argument("--large-from", type=int, default=1024, help="from this M on, time --large-layers layers")
+    parser.add_argument("--large-layers", type=int, default=8, help="layers rotated from --large-from on")
+    parser.add_argument("--reps", type=int, default=30, help="graph replays per column (the median is reported)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp16")
+    parser.add_argument("--anchors", default="", help="the shared anchors' folder (fetch_sources.py DEST) for the "
+                        "humming and marlin columns")
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="tensor-core rate of the compute floor")
+    parser.add_argument("--out", default="artifacts/bench", help="output directory (JSON, Markdown, PNG)")
+    parser.add_argument("--breakdown", default="", help="token counts at which to time each grouped stage alone (e.g. 2,8)")
+    parser.add_argument("--sweep", default="", help="token counts at which to time every autotune candidate (e.g. 2,4,8)")
+    parser.add_argument("--prefill-sweep", default="", help="token counts at which to time the prefill route under each "
+                        "of --prefill-configs")
+    parser.add_argument("--prefill-breakdown", default="", help="token counts at which to time the prefill route's stages")
+    parser.add_argument("--write-routes", default="", help="set this GPU's grouped window in this route table "
+                        "(moe_grouped_decode/routes.json) from the measured grouped and prefill columns")
+    parser.add_argument("--prefill-configs", default="1,4,3,4;2,4,3,4;4,4,3,4;2,8,3,8;4,8,3,8",
+                        help="PrefillConfigs as TOKEN_BLOCKS,W13_WARPS,W13_STAGES,W2_WARPS;...")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench: needs a CUDA GPU (none visible)", file=sys.stderr)
+        return 2
+    from .. import ops  # noqa: F401  (registers the ops)
+
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    table = markdown(result)
+    (out / "bench.md").write_text(table)
+    plot(result, out / "bench.png")
+    print(table)
+    if args.write_routes:
+        window = write_routes(result, Path(args.write_routes))
+        print(f"[bench] {args.write_routes}: {result['contract']} on {result['gpu']}: grouped route for "
+              f"{window[0]}..{window[1]} tokens", flush=True)
+    print(f"[bench] wrote {out}/bench.json, bench.md, bench.png in {result['seconds']:.0f}s", flush=True)
+    return 0

@@ -1,0 +1,330 @@
+"""Launch configurations: what a config holds, the measured tables (data files), the autotune cache.
+
+A config never changes results across runs: the grouped op's summation order depends on its
+W13 split, warps and kernels (the tile shapes place the reductions), so one shape and token
+count always use one config, and the position-independence of a token's bits holds within it.
+One field also sets W2's precision (``w2_act_split``); the autotune never varies it.
+
+The tables live in ``configs/grouped_<contract>.json`` beside this file, one entry per (GPU,
+kernel family, dtype, M): the kernel family is ``gluon`` where Gluon runs and ``tl`` where it
+does not (``plan.gluon_runs``), each with its own measured winners. A GPU with no entries of
+its own uses the file's ``default_gpu`` entries. Each file names the command that made it;
+docs/PERF.md says why each entry won. The opt-in autotune (``MOE_GROUPED_DECODE_TUNE=1``,
+``ops.autotune``) writes the same entry format to a cache under ``~/.cache/moe_grouped_decode``
+(or ``$MOE_GROUPED_DECODE_CACHE``), one file per kernel version, GPU name and Triton version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+# (E, k, K, N, G): what a table or cache entry is keyed by besides GPU, kernel family, dtype and M
+Shape = Tuple[int, int, int, int, int]
+KERNEL_FAMILIES = ("gluon", "tl")
+TABLE_DIR = Path(__file__).resolve().parent / "configs"
+
+# Part of the tuning cache's file name: a kernel change that moves the timings bumps it, so
+# configs tuned for older kernels are not read back.
+KERNELS_VERSION = "v13"
+
+# Most W13 K-splits the workspace's partials region holds (ops/workspace.py sizes it).
+MAX_SPLIT_K = 32
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    # W13: "gluon" (w13_gluon.py: loads staged in a shared-memory ring; 1-warp programs) or "tl"
+    # (w13_tl.py); the same bits at the same split. Where Gluon does not run, "tl".
+    w13_kernel: str = "gluon"
+    w13_block_k: int = 256  # W13: K rows per program (one split); whole 32-row chunks for each warp
+    w13_warps: int = 1  # W13: warps per program, each over its own chunks of the split (tl only)
+    w13_ring_stages: int = 4  # the Gluon W13's ring: 32-row chunks in flight per program
+    # W2: "gluon" (w2_gluon.py: weights staged in shared memory, not registers; the combine fused)
+    # or "tl" (w2_tl.py); the Gluon W2 gives the tl W2's bits built with RN_SCALE
+    w2_kernel: str = "tl"
+    w2_warps: int = 4  # W2: warps per program, 64 output columns each
+    w2_max_registers: int = 0  # W2: registers per thread the compiler may use (0: its own choice; Hopper+)
+    # the Gluon W2's weight copies: issued this many 32-row chunks ahead of the chunk its mma works
+    # on (>= 1; N / 32 or more: all before the PDL wait, though each chunk is waited for on its own)
+    w2_copy_ahead: int = 2
+    # W2's float32 activations rounded to one 16-bit value, one mma per chunk (as vLLM's fused_moe
+    # stores them between its GEMMs); True: a 16-bit hi + lo pair, two mma per chunk (exact to
+    # ~2^-22 of each value in fp16, ~2^-17 in bf16), 0.2-1.2 us slower at M = 2-8. A change of its
+    # default must bump KERNELS_VERSION: tuned cache entries carry it
+    w2_act_split: bool = False
+    fused_combine: bool = True  # the combine inside the W2 launch (last-arriving program per token tile)
+    pdl: bool = True  # programmatic dependent launch between the op's launches (used on Hopper and newer)
+    # both launches prefer the largest shared-memory carveout (carveout.py): then W2's programs
+    # start beside W13's whatever registers the compiler gives either; False: the driver's choice
+    # per kernel, which lets them only where W2 asks no larger carveout than W13
+    max_shared_carveout: bool = False
+
+    def __post_init__(self) -> None:
+        for field, value in (("w13_kernel", self.w13_kernel), ("w2_kernel", self.w2_kernel)):
+            if value not in KERNEL_FAMILIES:
+                raise ValueError(f"GroupedConfig.{field} must be one of {KERNEL_FAMILIES}, got {value!r}")
+        if self.w13_kernel == "gluon" and (self.w13_warps != 1 or self.w13_ring_stages < 1):
+            raise ValueError(f"the Gluon W13 runs 1-warp programs with a ring of at least one stage, got "
+                             f"w13_warps={self.w13_warps}, w13_ring_stages={self.w13_ring_stages}")
+        if self.w2_kernel == "gluon" and not self.fused_combine:
+            raise ValueError("the Gluon W2 fuses the combine: w2_kernel='gluon' needs fused_combine=True")
+        if self.w2_copy_ahead < 1:
+            raise ValueError(f"w2_copy_ahead (the Gluon W2's chunks copied ahead of its mma) must be at least 1, "
+                             f"got {self.w2_copy_ahead}")
+
+    @property
+    def w13_chunks(self) -> int:
+        """32-row chunks per W13 warp."""
+        return self.w13_block_k // (32 * self.w13_warps)
+
+    @property
+    def w2_block_k(self) -> int:
+        """W2 output columns per program."""
+        return 64 * self.w2_warps
+
+    def w2_compile_options(self, capability: Tuple[int, int]) -> dict:
+        """Extra compile options of the W2 launch on a GPU of compute ``capability``: the register
+        cap (128 fits four 4-warp programs per SM), on Hopper and newer only, where it was
+        measured and compiles without spills (sm_80's schedule, without PDL, spills at 128)."""
+        return {"maxnreg": self.w2_max_registers} if self.w2_max_registers and capability >= (9, 0) else {}
+
+    def w13_splits(self, hidden_size: int) -> int:
+        """W13 programs per (row, column tile) along K: the partial sums the W2 kernel adds in order."""
+        return -(-hidden_size // self.w13_block_k)
+
+    def fitted(self, hidden_size: int) -> "GroupedConfig":
+        """Round W13's split down to whole chunks for every warp, growing it until the splits
+        fit the workspace's partials region (MAX_SPLIT_K)."""
+        chunks = max(1, self.w13_chunks)
+        while -(-hidden_size // (chunks * 32 * self.w13_warps)) > MAX_SPLIT_K:
+            chunks *= 2
+        return dataclasses.replace(self, w13_block_k=chunks * 32 * self.w13_warps)
+
+    def as_tl(self) -> "GroupedConfig":
+        """This config with both launches on the tl kernels (same split, warps and fields)."""
+        return dataclasses.replace(self, w13_kernel="tl", w2_kernel="tl")
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """The prefill route's launches (prefill.py): groups of 8 * token_blocks rows of one expert."""
+
+    token_blocks: int = 1  # 8-row B operands per program (rows per group / 8): 1, 2 or 4
+    w13_warps: int = 4  # W13: warps per program, each over a contiguous range of K
+    w13_stages: int = 3  # W13: software-pipeline depth of its K loop (Triton's num_stages)
+    w2_warps: int = 4  # W2: warps per program, 64 output columns each
+
+    def __post_init__(self) -> None:
+        for field in ("w13_warps", "w13_stages", "w2_warps"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"PrefillConfig.{field} must be at least 1, got {getattr(self, field)}")
+        if self.token_blocks not in (1, 2, 4):
+            raise ValueError(f"PrefillConfig.token_blocks must be 1, 2 or 4, got {self.token_blocks}")
+
+    @property
+    def group_rows(self) -> int:
+        return 8 * self.token_blocks
+
+
+# --------------------------------------------------------------------------- entries (tables and cache)
+
+_FIELDS = {f.name for f in dataclasses.fields(GroupedConfig)}
+EntryKey = Tuple[Shape, str, str, str, int]  # (shape, GPU name, kernel family, dtype name, M)
+
+
+def config_from_fields(fields) -> Optional[GroupedConfig]:
+    """A config from an entry's fields, or None when they are not exactly this version's fields
+    (an entry written by another version: a field it lacks was not searched, a field it has is
+    not known here) or do not make a valid config."""
+    if not isinstance(fields, dict) or set(fields) != _FIELDS:
+        return None
+    try:
+        return GroupedConfig(**fields)
+    except (TypeError, ValueError):
+        return None
+
+
+def entry_key(entry: dict) -> Optional[EntryKey]:
+    try:
+        shape = tuple(int(v) for v in entry["shape"])
+        key = (shape, str(entry["gpu"]), str(entry["kernels"]), str(entry["dtype"]), int(entry["M"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return key if len(shape) == 5 and key[2] in KERNEL_FAMILIES else None
+
+
+def make_entry(key: EntryKey, config: GroupedConfig) -> dict:
+    shape, gpu, kernels, dtype_name, num_tokens = key
+    return {"shape": list(shape), "gpu": gpu, "kernels": kernels, "dtype": dtype_name, "M": num_tokens,
+            "config": dataclasses.asdict(config)}
+
+
+def read_entries(entries: Iterable) -> Dict[EntryKey, GroupedConfig]:
+    """The valid entries of a table or cache file; the rest are skipped."""
+    out = {}
+    for entry in entries:
+        key = entry_key(entry) if isinstance(entry, dict) else None
+        config = config_from_fields(entry.get("config")) if key is not None else None
+        if config is not None:
+            out[key] = config
+    return out
+
+
+# --------------------------------------------------------------------------- the measured tables
+
+
+@dataclass(frozen=True)
+class Table:
+    contract: str
+    default_gpu: str
+    generator: str
+    entries: Dict[EntryKey, GroupedConfig]
+
+
+def _read_table(path: Path) -> Table:
+    data = json.loads(path.read_text())
+    return Table(data["contract"], data["default_gpu"], data["generator"], read_entries(data["entries"]))
+
+
+_tables: Optional[List[Table]] = None
+
+
+def tables() -> List[Table]:
+    """Every table file beside this module, read once."""
+    global _tables
+    if _tables is None:
+        _tables = [_read_table(path) for path in sorted(TABLE_DIR.glob("grouped_*.json"))]
+    return _tables
+
+
+def table_config(shape: Shape, gpu_name: str, kernels: str, dtype_name: str, num_tokens: int) -> Optional[GroupedConfig]:
+    """The measured config for one key: the GPU's own entry, else the table's default GPU's."""
+    for table in tables():
+        for gpu in (gpu_name, table.default_gpu):
+            config = table.entries.get((tuple(shape), gpu, kernels, dtype_name, num_tokens))
+            if config is not None:
+                return config
+    return None
+
+
+# --------------------------------------------------------------------------- the autotune cache
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MOE_GROUPED_DECODE_CACHE", Path.home() / ".cache" / "moe_grouped_decode"))
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+def cache_path(gpu_name: str, triton_version: str) -> Path:
+    return _cache_dir() / f"grouped_{KERNELS_VERSION}_{_safe(gpu_name)}_triton{_safe(triton_version)}.json"
+
+
+_tuned: Dict[EntryKey, GroupedConfig] = {}
+_loaded_files: set = set()
+
+
+def _read_cache(path: Path) -> list:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    entries = data.get("entries") if isinstance(data, dict) else None
+    return entries if isinstance(entries, list) else []
+
+
+def load_tuned(path: Path) -> None:
+    """Read a tuning cache file into memory once (missing or corrupt files and entries are ignored)."""
+    if path in _loaded_files:
+        return
+    _loaded_files.add(path)
+    _tuned.update(read_entries(_read_cache(path)))
+
+
+def store_tuned(path: Path, key: EntryKey, config: GroupedConfig) -> None:
+    """Remember ``config`` for ``key`` and write it to the cache file (atomically)."""
+    _tuned[key] = config
+    entries = {entry_key(e): e for e in _read_cache(path) if isinstance(e, dict) and entry_key(e) is not None}
+    entries[key] = make_entry(key, config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"generator": "moe_grouped_decode autotune (MOE_GROUPED_DECODE_TUNE=1)",
+                               "entries": sorted(entries.values(), key=lambda e: entry_key(e))}, indent=1))
+    tmp.replace(path)
+
+
+def tuned_config(key: EntryKey) -> Optional[GroupedConfig]:
+    return _tuned.get(key)
+
+
+def forget_tuned() -> None:
+    """Drop every tuned config read or stored in this process (the next load_tuned reads its
+    file again)."""
+    _tuned.clear()
+    _loaded_files.clear()
+
+
+# --------------------------------------------------------------------------- lookups
+
+
+def grouped_config(shape: Shape, gpu_name: str, kernels: str, dtype_name: str, num_tokens: int) -> GroupedConfig:
+    """The launch config for one shape and token count: tuned, then the table, then the default
+    (on the tl kernels where ``kernels`` is "tl"), fitted to K."""
+    key = (tuple(shape), gpu_name, kernels, dtype_name, num_tokens)
+    config = _tuned.get(key) or table_config(*key)
+    if config is None:
+        config = GroupedConfig() if kernels == "gluon" else GroupedConfig().as_tl()
+    return config.fitted(shape[2])
+
+
+_prefill_tables: Optional[List[dict]] = None
+
+
+@functools.lru_cache(maxsize=4096)
+def prefill_config(shape: Shape, gpu_name: str, dtype_name: str, num_tokens: int) -> PrefillConfig:
+    """The prefill route's config for one shape and token count: the table entry of the smallest
+    M at or above ``num_tokens`` (the largest entry above them all) for the GPU, else for the
+    table's default GPU; the default elsewhere."""
+    global _prefill_tables
+    if _prefill_tables is None:
+        _prefill_tables = [json.loads(path.read_text()) for path in sorted(TABLE_DIR.glob("prefill_*.json"))]
+    for table in _prefill_tables:
+        for gpu in (gpu_name, table["default_gpu"]):
+            entries = sorted((e for e in table["entries"]
+                              if tuple(e["shape"]) == tuple(shape) and e["gpu"] == gpu and e["dtype"] == dtype_name),
+                             key=lambda e: e["M"])
+            if entries:
+                entry = next((e for e in entries if e["M"] >= num_tokens), entries[-1])
+                return PrefillConfig(**entry["config"])
+    return PrefillConfig()
+
+
+def grouped_candidates(capability: Tuple[int, int], kernels: str) -> Tuple[GroupedConfig, ...]:
+    """The small search space of the opt-in autotune (and of `bench --sweep`) on a GPU of compute
+    ``capability`` (the register cap only where it applies: w2_compile_options). With the Gluon
+    kernels: W13 splits of 128 / 256 / 512 rows (they tile qwen3.8's K = 2560; elsewhere the last
+    split masks its chunks past K) through rings 2, 3 and 4 deep, against the tl W2 with 4- and
+    8-warp programs, the 4-warp Gluon W2 (three chunks ahead, the largest carveout: it runs beside
+    W13) and the 8-warp Gluon W2 (two ahead); with the tl kernels, the tl W13's splits and the tl
+    W2. The table's entries are among them."""
+    caps = (0, 128) if GroupedConfig(w2_max_registers=128).w2_compile_options(capability) else (0,)
+    if kernels == "gluon":
+        w13 = [dict(w13_kernel="gluon", w13_block_k=rows, w13_ring_stages=stages)
+               for rows in (128, 256, 512) for stages in (2, 3, 4)]
+    else:
+        w13 = [dict(w13_kernel="tl", w13_block_k=rows) for rows in (128, 192, 256, 384, 512)]
+    w2 = [dict(w2_kernel="tl", w2_warps=warps, w2_max_registers=cap) for warps in (4, 8) for cap in caps]
+    if kernels == "gluon":
+        w2 += [dict(w2_kernel="gluon", w2_warps=4, w2_max_registers=cap, w2_copy_ahead=3, max_shared_carveout=True)
+               for cap in caps]
+        w2 += [dict(w2_kernel="gluon", w2_warps=8)]
+    return tuple(GroupedConfig(**a, **b) for a in w13 for b in w2)

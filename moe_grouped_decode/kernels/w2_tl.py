@@ -1,0 +1,127 @@
+"""W2 of the grouped decode in Triton ``tl``: SiLU-and-mul, W2 on tensor cores, the fused combine.
+
+Programs (row, column tile); warp w takes the 64 columns of packed column tile
+tile * WARPS + w over all N rows (N / 32 awq_mma chunks)::
+
+    W2[topk_ids[row]] weights of the tile -> registers     (before the PDL wait: they stream
+                                                            in while W13 finishes)
+    wait for W13
+    act = silu(gate) * up from the row's W13 partials summed in split order
+          -> activations[row]  (every program of the row writes the same values), barrier,
+          each lane reads back its fragment rows, rounded to 16 bits (ACT_SPLIT: a hi + lo pair)
+    mma -> float32 row_outputs[row, tile]
+    FUSED_COMBINE: the last of a token's k programs on the tile (an int32 arrival counter per
+          (token, tile), zeroed by the W13 launch) writes
+          out[t, tile] = sum_j topk_weights[t, j] * row_outputs[t * k + j, tile]  (j order)
+
+A token's output depends only on its own activations, routing and weights: fixed summation
+orders, and the only atomics are integer arrival counts (which program combines changes, the
+j-ordered sum it computes does not). ``w2_gluon.py`` runs the same programs with the weights
+staged in shared memory: the same bits as this kernel built with RN_SCALE (the scale multiply
+rounded on its own, which the Gluon kernel's PTX does and this kernel's, left to ptxas, fuses).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .awq_mma import CHUNK_ROWS, TILE_WORDS, awq_mma_chunk, chunk_columns, chunk_lanes, chunk_rows
+from .awq_tiles import silu_mul
+from .combine import combine_tile
+from .pdl import let_next_launch_start, wait_for_previous_launch
+from .timeline import W2_SM_SLOT, W2_STAMP_COUNT, now, sm_id
+
+
+@triton.jit
+def row_activations(partials_ptr, act_ptr, row, rows, N: tl.constexpr, SPLITS: tl.constexpr, N_PAD: tl.constexpr):
+    """act[row] = silu(gate) * up from the W13 partials summed in split order, float32 [N]."""
+    n = tl.arange(0, N_PAD)
+    gate = tl.zeros([N_PAD], dtype=tl.float32)
+    up = tl.zeros([N_PAD], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        part = partials_ptr + (s * rows + row) * (2 * N) + n
+        gate += tl.load(part, mask=n < N, other=0.0)
+        up += tl.load(part + N, mask=n < N, other=0.0)
+    tl.store(act_ptr + row * N + n, silu_mul(gate, up), mask=n < N)
+
+
+def _w2_tl(
+    ids_ptr,
+    partials_ptr,
+    qweight_ptr, scales_ptr, qzeros_ptr,
+    act_ptr, row_out_ptr,
+    rows,
+    topk_weights_ptr, out_ptr, stride_om, arrivals_ptr,
+    timeline_ptr,
+    K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr, WARPS: tl.constexpr,
+    N_PAD: tl.constexpr, TOP_K: tl.constexpr,
+    IS_BF16: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_PDL: tl.constexpr,
+    ACT_SPLIT: tl.constexpr, RN_SCALE: tl.constexpr, TIMELINE: tl.constexpr,
+):
+    """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32."""
+    # the combine launch may start early; with the combine fused, W2 is the op's last launch and
+    # whatever follows the op must not start before W2 is done
+    let_next_launch_start(USE_PDL and not FUSED_COMBINE)
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    stamps = (row * tl.num_programs(1) + tile) * W2_STAMP_COUNT
+    if TIMELINE:
+        tl.store(timeline_ptr + stamps, now())
+        tl.store(timeline_ptr + stamps + W2_SM_SLOT, sm_id())
+    PACKED_K: tl.constexpr = K // 8
+    CHUNKS: tl.constexpr = N // CHUNK_ROWS
+    HALF: tl.constexpr = tl.bfloat16 if IS_BF16 else tl.float16
+    expert = tl.load(ids_ptr + row).to(tl.int64)
+    warp, g, t, e = chunk_lanes(WARPS)
+    word = (tile * WARPS + warp) * TILE_WORDS + g
+    word_ok = word < PACKED_K
+    qweight_base = qweight_ptr + expert * (N * PACKED_K)
+    scales_base = scales_ptr + expert * (N // G * K)
+    qzeros_base = qzeros_ptr + expert * (N // G * PACKED_K)
+    weights = ()
+    for c in tl.static_range(CHUNKS):
+        k_rows = chunk_rows(c * CHUNK_ROWS, t, e)
+        group = c * CHUNK_ROWS // G
+        weights += ((
+            tl.load(qweight_base + k_rows * PACKED_K + word, mask=word_ok, other=0),
+            tl.load(scales_base + group * K + word * 8 + e, mask=word_ok, other=0.0),
+            tl.load(qzeros_base + group * PACKED_K + word, mask=word_ok, other=0),
+        ),)
+    wait_for_previous_launch(USE_PDL)
+    if TIMELINE:
+        tl.store(timeline_ptr + stamps + 1, now())
+    row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
+    tl.debug_barrier()  # every thread's act stores happen before any thread reads them back
+    if TIMELINE:
+        tl.store(timeline_ptr + stamps + 2, now())
+    acc_lo = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
+    acc_hi = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        act = tl.load(act_ptr + row * N + chunk_rows(c * CHUNK_ROWS, t, e), mask=g == 0, other=0.0)
+        act_hi = act.to(HALF)
+        act_lo = (act - act_hi.to(tl.float32)).to(HALF) if ACT_SPLIT else act_hi
+        words, scales, zeros = weights[c]
+        d_lo, d_hi = awq_mma_chunk(words, act_hi, act_lo, scales, zeros, IS_BF16, ACT_SPLIT, WARPS, RN_SCALE)
+        acc_lo += d_lo
+        acc_hi += d_hi
+    cols = chunk_columns(word, e)
+    keep = (t == 0) & (e % 2 == 0) & word_ok
+    tl.store(row_out_ptr + row * K + cols, acc_lo, mask=keep)
+    tl.store(row_out_ptr + row * K + cols + 4, acc_hi, mask=keep)
+    if TIMELINE:
+        tl.store(timeline_ptr + stamps + 3, now())
+    if FUSED_COMBINE:
+        token = row // TOP_K
+        tl.debug_barrier()  # every thread's row_out stores happen before the release below
+        arrived = tl.atomic_add(arrivals_ptr + token * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == TOP_K - 1:
+            tile_cols = tile * (WARPS * TILE_WORDS * 8) + tl.arange(0, WARPS * TILE_WORDS * 8)
+            combine_tile(row_out_ptr, topk_weights_ptr, out_ptr, stride_om, token, tile_cols, tile_cols < K, TOP_K, K)
+    if TIMELINE:
+        tl.store(timeline_ptr + stamps + 4, now())
+
+
+w2_tl_kernel = triton.jit(_w2_tl)
+# the same kernel with binaries of its own, for the launches that prefer the largest carveout (carveout.py)
+w2_tl_kernel_max_carveout = triton.jit(_w2_tl)

@@ -1,0 +1,194 @@
+"""The prefill route (``awq_moe_dense`` on CUDA: the on-device sort, W13 + SiLU, W2, combine)
+against the float64 per-expert reference, at token counts from one token to prefill sizes.
+
+Runs on a CUDA GPU only (skipped elsewhere). The qwen3.8-tp4 contract's shapes; bounds as
+tests/test_cuda_ops.py's (fp16 2e-3 of max|ref|, bf16 8x that for its own output rounding).
+Routing patterns: random distinct experts per token (a router's), single-hot (every token on
+the same k experts: groups of many rows per expert) and skewed (half of each token's slots on
+8 hot experts: a few experts take most rows, as under a load-imbalanced router).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_grouped_decode.awq import synthetic_moe_weights
+from moe_grouped_decode.contract import QWEN38_TP4
+from moe_grouped_decode.kernels.config import PrefillConfig
+from moe_grouped_decode.ops import error_stats, launch_prefill, prefill_plan_for, reference_moe
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+E, TOP_K, K, N, G = QWEN38_TP4.shape
+BOUND = {torch.float16: 2e-3, torch.bfloat16: 16e-3}  # as tests/test_cuda_ops.py's
+prefill_op = torch.ops.moe_grouped_decode.awq_moe_dense
+
+
+@pytest.fixture(scope="module", params=[torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def layer(request):
+    weights = synthetic_moe_weights(E, K, N, G, dtype=request.param, seed=13, device="cuda")
+    return weights, weights.to("cpu")
+
+
+def routing(pattern: str, M: int, gen: torch.Generator):
+    """topk_ids [M, k] int32 and float32 softmax-like topk_weights, on the GPU."""
+    if pattern == "random":
+        ids = torch.rand(M, E, generator=gen).topk(TOP_K, dim=1).indices
+    elif pattern == "single_hot":
+        ids = torch.randperm(E, generator=gen)[:TOP_K].repeat(M, 1)
+    elif pattern == "skewed":  # slots 0..4 from 8 hot experts, the rest from the other 504, all distinct
+        hot = torch.randperm(E, generator=gen)[:8]
+        cold = torch.tensor([e for e in range(E) if e not in set(hot.tolist())])
+        ids = torch.cat([hot[torch.rand(M, 8, generator=gen).argsort(1)[:, :5]],
+                         cold[torch.rand(M, cold.numel(), generator=gen).argsort(1)[:, :5]]], dim=1)
+    else:
+        raise ValueError(pattern)
+    weights = torch.rand(M, TOP_K, generator=gen)
+    return ids.to(torch.int32).cuda(), (weights / weights.sum(1, keepdim=True)).cuda()
+
+
+def check(name, out, x, tw, ids, cpu_weights):
+    stats = error_stats(out, reference_moe(x.cpu(), tw.cpu(), ids.cpu(), cpu_weights))
+    assert not stats.nan, f"{name}: NaN in output"
+    assert stats.scaled_max_abs <= BOUND[out.dtype], f"{name}: {stats}"
+
+
+CASES = [(M, pattern) for M in (1, 2, 8, 16, 33, 64, 256) for pattern in ("random", "single_hot", "skewed")]
+CASES += [(1000, "random"), (1000, "skewed"), (4096, "random")]
+
+
+@pytest.mark.parametrize("M,pattern", CASES)
+def test_prefill_matches_reference(layer, M, pattern):
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(31 * M + len(pattern))
+    x = torch.randn(M, K, generator=gen).to(weights.dtype).cuda()
+    ids, tw = routing(pattern, M, gen)
+    torch.full((M * K,), float("nan"), dtype=weights.dtype, device="cuda")  # the freed block the output may reuse
+    out = prefill_op(x, tw, ids, *weights.op_args())
+    check(f"prefill {weights.dtype} M={M} {pattern}", out, x, tw, ids, cpu_weights)
+
+
+@pytest.mark.parametrize("config", [
+    PrefillConfig(token_blocks=2),  # 16-row groups
+    PrefillConfig(token_blocks=4, w13_warps=8, w2_warps=8),  # 32-row groups, 8-warp programs
+    PrefillConfig(w13_warps=1, w2_warps=1, w13_stages=1),  # one warp over all of K, no pipelining
+], ids=["tb2", "tb4-8warps", "1warp"])
+def test_prefill_configs_match_reference(layer, config):
+    """Every launch shape the route table may pick, on routing with multi-group experts."""
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(7)
+    for M, pattern in ((40, "single_hot"), (300, "skewed")):
+        x = torch.randn(M, K, generator=gen).to(weights.dtype).cuda()
+        ids, tw = routing(pattern, M, gen)
+        out = torch.full_like(x, float("nan"))
+        launch_prefill(x, tw, ids, weights, out, config)
+        check(f"prefill {config} {weights.dtype} M={M} {pattern}", out, x, tw, ids, cpu_weights)
+
+
+def test_prefill_sort_groups_every_row_once(layer):
+    """The on-device sort's groups hold every routed row exactly once, each in a group of its own
+    expert of at most 8 * token_blocks rows, in expert order."""
+    weights, _ = layer
+    gen = torch.Generator().manual_seed(8)
+    M, config = 700, PrefillConfig(token_blocks=2)
+    x = torch.randn(M, K, generator=gen).to(weights.dtype).cuda()
+    ids, tw = routing("skewed", M, gen)
+    plan = prefill_plan_for(x, ids, weights, config)
+    scratch = torch.full((plan.scratch_numel,), -7, dtype=torch.int32, device="cuda")
+    launch_prefill(x, tw, ids, weights, torch.empty_like(x), config, scratch=scratch)
+    views = {name: view.cpu() for name, view in plan.scratch_views(scratch).items() if name not in ("act16", "row_out16")}
+    flat = ids.flatten().cpu()
+    live = int(views["num_groups"][0])
+    experts = views["group_expert"][:live]
+    assert (experts.diff() >= 0).all()
+    placed = []
+    for g in range(live):
+        start, count = int(views["group_start"][g]), int(views["group_count"][g])
+        assert 1 <= count <= config.group_rows
+        rows = views["sorted_rows"][start: start + count]
+        assert (flat[rows.long()] == experts[g]).all()
+        placed += rows.tolist()
+    assert sorted(placed) == list(range(M * TOP_K))
+
+
+@pytest.mark.parametrize("bad", [-1, E, 2**30], ids=["minus1", "E", "huge"])
+def test_ids_outside_the_experts_contribute_nothing(layer, bad):
+    """vLLM marks an expert not on this rank with -1 (expert parallelism): such a slot, or any id
+    outside [0, E), adds nothing to its token and reads nothing out of bounds."""
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(9)
+    M = 24
+    x = torch.randn(M, K, generator=gen).to(weights.dtype).cuda()
+    ids, tw = routing("random", M, gen)
+    ids[::3, 2] = bad
+    out = prefill_op(x, tw, ids, *weights.op_args())
+    torch.cuda.synchronize()
+    ref_tw = tw.clone()
+    ref_tw[::3, 2] = 0.0
+    check(f"prefill {weights.dtype} ids {bad}", out, x, ref_tw, ids.clamp(0, E - 1), cpu_weights)
+
+
+def test_bit_identical_reruns(layer):
+    weights, _ = layer
+    gen = torch.Generator().manual_seed(10)
+    for M in (8, 333):
+        x = torch.randn(M, K, generator=gen).to(weights.dtype).cuda()
+        ids, tw = routing("skewed", M, gen)
+        first = prefill_op(x, tw, ids, *weights.op_args()).clone()
+        for _ in range(3):
+            assert torch.equal(prefill_op(x, tw, ids, *weights.op_args()).view(torch.int16), first.view(torch.int16))
+
+
+# vLLM's default CUDA-graph capture sizes (1, 2, 4, then multiples of 8) up to 512
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512]
+
+
+@pytest.mark.parametrize("M", CAPTURE_SIZES)
+def test_prefill_cuda_graph_replay(layer, M):
+    """Capture once at a capture size, then replay with new routing and activations each time."""
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(2000 + M)
+    x = torch.randn(M, K, generator=gen).to(weights.dtype).cuda()
+    ids, tw = routing("random", M, gen)
+    prefill_op(x, tw, ids, *weights.op_args())  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = prefill_op(x, tw, ids, *weights.op_args())
+    for replay, pattern in enumerate(("random", "single_hot", "skewed")):
+        new_ids, new_tw = routing(pattern, M, gen)
+        ids.copy_(new_ids)
+        tw.copy_(new_tw)
+        x.copy_(torch.randn(M, K, generator=gen).to(weights.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(f"prefill graph {weights.dtype} M={M} replay{replay} {pattern}", out, x, tw, ids, cpu_weights)
+
+
+@pytest.mark.parametrize("M", [16384, 32768])
+def test_prefill_sort_at_engine_token_limits(M):
+    """The sort's one-program stages at vLLM's larger max_num_batched_tokens (warmup compiles
+    them there): every routed row placed once, in a group of its own expert, and the route's
+    output finite (the float64 reference at this size would take minutes on the CPU)."""
+    weights = synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=14, device="cuda")
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=gen).to(torch.float16).cuda()
+    ids, tw = routing("skewed", M, gen)
+    plan = prefill_plan_for(x, ids, weights)
+    scratch = torch.full((plan.scratch_numel,), -7, dtype=torch.int32, device="cuda")
+    out = torch.full_like(x, float("nan"))
+    launch_prefill(x, tw, ids, weights, out, scratch=scratch)
+    views = plan.scratch_views(scratch)
+    live = int(views["num_groups"][0])
+    counts = views["group_count"][:live]
+    assert int(counts.sum()) == M * TOP_K and int(counts.max()) <= plan.config.group_rows
+    rows = views["sorted_rows"].long()
+    assert torch.equal(rows.sort().values, torch.arange(M * TOP_K, device="cuda"))
+    experts = torch.repeat_interleave(views["group_expert"][:live].long(), counts.long())
+    assert torch.equal(ids.flatten().long()[rows], experts)
+    assert torch.isfinite(out).all()
