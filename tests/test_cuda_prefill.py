@@ -75,7 +75,7 @@ def test_prefill_matches_reference(layer, M, pattern):
 @pytest.mark.parametrize("config", [
     PrefillConfig(token_blocks=2),  # 16-row groups
     PrefillConfig(token_blocks=4, w13_warps=8, w2_warps=8),  # 32-row groups, 8-warp programs
-    PrefillConfig(w13_warps=1, w2_warps=1, w13_stages=1),  # one warp over all of K, no pipelining
+    PrefillConfig(w13_warps=1, w2_warps=1),  # one warp over all of K
 ], ids=["tb2", "tb4-8warps", "1warp"])
 def test_prefill_configs_match_reference(layer, config):
     """Every launch shape the route table may pick, on routing with multi-group experts."""

@@ -287,7 +287,7 @@ def _breakdown(args, layers, workspace, gen) -> List[Dict]:
 
 
 def parse_prefill_configs(text: str):
-    """``TB,W13_WARPS,W13_STAGES,W2_WARPS;...`` as PrefillConfigs."""
+    """``TB,W13_WARPS,W2_WARPS;...`` as PrefillConfigs."""
     from ..kernels.config import PrefillConfig
 
     return [PrefillConfig(*(int(v) for v in item.split(","))) for item in text.split(";") if item]
@@ -442,8 +442,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-breakdown", default="", help="token counts at which to time the prefill route's stages")
     parser.add_argument("--write-routes", default="", help="set this GPU's grouped window in this route table "
                         "(moe_grouped_decode/routes.json) from the measured grouped and prefill columns")
-    parser.add_argument("--prefill-configs", default="1,4,3,4;2,4,3,4;4,4,3,4;2,8,3,8;4,8,3,8",
-                        help="PrefillConfigs as TOKEN_BLOCKS,W13_WARPS,W13_STAGES,W2_WARPS;...")
+    parser.add_argument("--prefill-configs", default="1,4,4;2,4,4;4,4,4;2,8,8;4,8,8",
+                        help="PrefillConfigs as TOKEN_BLOCKS,W13_WARPS,W2_WARPS;...")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench: needs a CUDA GPU (none visible)", file=sys.stderr)

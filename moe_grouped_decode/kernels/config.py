@@ -117,12 +117,11 @@ class PrefillConfig:
     """The prefill route's launches (prefill.py): groups of 8 * token_blocks rows of one expert."""
 
     token_blocks: int = 1  # 8-row B operands per program (rows per group / 8): 1, 2 or 4
-    w13_warps: int = 4  # W13: warps per program, each over a contiguous range of K
-    w13_stages: int = 3  # W13: software-pipeline depth of its K loop (Triton's num_stages)
+    w13_warps: int = 4  # W13: warps per program, each over a contiguous range of K (chunks unrolled)
     w2_warps: int = 4  # W2: warps per program, 64 output columns each
 
     def __post_init__(self) -> None:
-        for field in ("w13_warps", "w13_stages", "w2_warps"):
+        for field in ("w13_warps", "w2_warps"):
             if getattr(self, field) < 1:
                 raise ValueError(f"PrefillConfig.{field} must be at least 1, got {getattr(self, field)}")
         if self.token_blocks not in (1, 2, 4):

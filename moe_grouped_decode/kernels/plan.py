@@ -371,7 +371,7 @@ def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig
                 "w13_qweight", "w13_scales", "w13_qzeros", "act16", "rows"),
                _items(dict(TOP_K=top_k, K=K, N=N, G=G, WARPS=config.w13_warps, TOKEN_BLOCKS=config.token_blocks,
                            IS_BF16=is_bf16)),
-               _items({"num_warps": config.w13_warps, "num_stages": config.w13_stages}), False),
+               _items({"num_warps": config.w13_warps}), False),
         Launch("w2_prefill", "w2", prefill.w2_prefill_kernel, (max_groups, w2_tiles),
                ("act16", "sorted_rows", "group_expert", "group_start", "group_count", "num_groups",
                 "w2_qweight", "w2_scales", "w2_qzeros", "row_out16", "rows"),
