@@ -221,9 +221,13 @@ def prefill_kernels(dtype, M, config):
     K, N, k, E = c.hidden_size, c.intermediate_size, c.top_k, c.num_experts
     plan = launch_plan.prefill_plan(M, k, E, K, N, c.group_size, DTYPES[dtype], divmod(TARGET.arch, 10), config)
     ints = dict(x_stride=K, out_stride=K, rows=M * k, num_blocks=1, max_groups=1)
-    weights = {"w13_prefill": K * 64, "w2_prefill": N * 64 * config.w2_warps}
+    weights = {"w13_prefill": K * 64, "w2_prefill": N * 64 * config.w2_warps,
+               "w13_prefill_dot": K * 2 * config.w13_block_n, "w2_prefill_dot": N * config.w2_block_n}
+    tag = (f"tb={config.token_blocks}" if config.kernel == "mma" else
+           f"rows={config.block_rows} n={config.w13_block_n},{config.w2_block_n} warps={config.w13_warps},"
+           f"{config.w2_warps} stages={config.w13_stages},{config.w2_stages}")
     for launch in plan.launches:
-        yield (f"M={M} {dtype} {launch.name} tb={config.token_blocks}", compile_launch(launch, dtype, ints),
+        yield (f"M={M} {dtype} {launch.name} {tag}", compile_launch(launch, dtype, ints),
                weights.get(launch.name, 1), launch.programs)
 
 
@@ -239,17 +243,22 @@ def main(argv=None):
     parser.add_argument("--timeline", action="store_true",
                         help="instead: the timer reads per kernel at M = 8 fp16, without and with the timestamps")
     parser.add_argument("--prefill", default="", help="instead: the prefill route's kernels at these token counts, "
-                        "under each token-block count (1, 2, 4)")
+                        "under each token-block count (1, 2, 4) or each of --prefill-configs")
+    parser.add_argument("--prefill-configs", default="", help="PrefillConfigs as in bench --prefill-configs")
     args = parser.parse_args(argv)
     global TARGET
     TARGET = GPUTarget("cuda", args.arch, 32)
     if args.prefill:
         from moe_grouped_decode.kernels.config import PrefillConfig
 
+        from moe_grouped_decode.benchmarking.bench import parse_prefill_configs
+
+        configs = (parse_prefill_configs(args.prefill_configs) if args.prefill_configs
+                   else [PrefillConfig(token_blocks=blocks) for blocks in (1, 2, 4)])
         for M in (int(m) for m in args.prefill.split(",")):
-            for blocks in (1, 2, 4):
-                for name, kernel, weights, grid in prefill_kernels("fp16", M, PrefillConfig(token_blocks=blocks)):
-                    if "prefill" in name or blocks == 1:
+            for i, config in enumerate(configs):
+                for name, kernel, weights, grid in prefill_kernels("fp16", M, config):
+                    if "prefill" in name or i == 0:
                         stats(name, kernel, weights, args.dump, grid)
         return 0
     if args.timeline:

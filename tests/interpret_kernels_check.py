@@ -200,6 +200,13 @@ def main() -> None:
         # 32-row groups (four B operands per A fragment): 40 rows per expert, a full group and one of 8
         (16, 4, 64, 32, 32, 40, "single_hot", torch.float16, PrefillConfig(token_blocks=4, w13_warps=2, w2_warps=2),
          False),
+        # the tl.dot kernels: 16-row groups (20 rows per expert: a full group and one of 4), one W13
+        # tile and two W2 tiles; N = 96 over 64-column W13 tiles (the second half masked) and 64-row
+        # groups holding every expert's rows; G = 64 (two steps per group); bad ids
+        (8, 3, 64, 32, 32, 20, "single_hot", torch.float16, PrefillConfig(kernel="dot", w2_block_n=32), False),
+        (8, 3, 128, 96, 32, 7, "random", torch.bfloat16,
+         PrefillConfig(kernel="dot", block_rows=64, w13_block_n=64, w2_block_n=64, w13_stages=2), False),
+        (16, 2, 128, 64, 64, 40, "random", torch.float16, PrefillConfig(kernel="dot", block_rows=32), True),
     ]
     for E, k, K, N, G, M, pattern, dtype, config, bad in prefill_cases:
         weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + M + 1)

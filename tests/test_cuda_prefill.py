@@ -76,7 +76,11 @@ def test_prefill_matches_reference(layer, M, pattern):
     PrefillConfig(token_blocks=2),  # 16-row groups
     PrefillConfig(token_blocks=4, w13_warps=8, w2_warps=8),  # 32-row groups, 8-warp programs
     PrefillConfig(w13_warps=1, w2_warps=1),  # one warp over all of K
-], ids=["tb2", "tb4-8warps", "1warp"])
+    PrefillConfig(kernel="dot"),  # tl.dot over 16-row groups
+    PrefillConfig(kernel="dot", block_rows=32, w13_block_n=64, w2_block_n=64, w13_stages=4),  # masked W13 tile
+    PrefillConfig(kernel="dot", block_rows=64, w13_block_k=64, w13_warps=8, w2_warps=8, w2_block_n=256),
+    PrefillConfig(kernel="dot", block_rows=128, w13_block_k=128, w13_warps=8, w2_warps=4, w2_stages=2),
+], ids=["tb2", "tb4-8warps", "1warp", "dot16", "dot32-n64", "dot64-8warps", "dot128"])
 def test_prefill_configs_match_reference(layer, config):
     """Every launch shape the route table may pick, on routing with multi-group experts."""
     weights, cpu_weights = layer

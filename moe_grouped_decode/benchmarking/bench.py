@@ -287,21 +287,62 @@ def _breakdown(args, layers, workspace, gen) -> List[Dict]:
 
 
 def parse_prefill_configs(text: str):
-    """``TB,W13_WARPS,W2_WARPS;...`` as PrefillConfigs."""
+    """``;``-separated PrefillConfigs, each ``TB,W13_WARPS,W2_WARPS`` (the mma kernels) or
+    ``field=value,...`` (any fields, e.g. ``kernel=dot,block_rows=64,w13_warps=4``)."""
     from ..kernels.config import PrefillConfig
 
-    return [PrefillConfig(*(int(v) for v in item.split(","))) for item in text.split(";") if item]
+    def parse(item: str):
+        if "=" not in item:
+            return PrefillConfig(*(int(v) for v in item.split(",")))
+        fields = dict(pair.split("=", 1) for pair in item.split(","))
+        return PrefillConfig(**{k: (v if k == "kernel" else int(v)) for k, v in fields.items()})
+
+    return [parse(item) for item in text.split(";") if item]
 
 
 def _prefill_sweep(args, layers, gen) -> List[Dict]:
     """The prefill route at each of ``--prefill-sweep``'s token counts under each of
-    ``--prefill-configs`` (``--large-layers`` layers; the tests cover every config's numerics)."""
-    from ..ops import launch_prefill
+    ``--prefill-configs`` (``--large-layers`` layers; the tests cover every config's numerics):
+    the whole route, and its launches up to and including W13 (``through_w13_us``: the sort and
+    W13), so W13 and W2 variants can be told apart in one sweep."""
+    from ..kernels import plan as launch_plan
+    from ..ops import prefill_plan_for
 
-    configs = parse_prefill_configs(args.prefill_configs)
+    from ..kernels.config import prefill_candidates
+
+    configs = (list(prefill_candidates()) if args.prefill_configs == "candidates"
+               else parse_prefill_configs(args.prefill_configs))
     count = min(args.layers, args.large_layers)
-    return [row for M in (int(m) for m in args.prefill_sweep.split(","))
-            for row in _time_configs("prefill-sweep", M, count, layers, gen, args, configs, launch_prefill)]
+    c = QWEN38_TP4
+    device = torch.device("cuda")
+    results = []
+    for M in (int(m) for m in args.prefill_sweep.split(",")):
+        ids, tws, xs = random_layer_inputs(M, c.top_k, c.num_experts, c.hidden_size, count, layers[0].dtype, device,
+                                           gen)
+        outs = [torch.empty_like(x) for x in xs]
+        want = torch.ops.moe_grouped_decode.awq_moe_dense(xs[0], tws[0], ids[0], *layers[0].op_args()).float()
+        rows = []
+        for config in configs:
+            plan = prefill_plan_for(xs[0], ids[0], layers[0], config)
+            scratch = torch.empty(plan.scratch_numel, dtype=torch.int32, device=device)
+            through_w13 = 1 + max(i for i, launch in enumerate(plan.launches) if launch.stage == "w13")
+            row = {"M": M, **dataclasses.asdict(config)}
+            for name, end in (("through_w13_us", through_w13), ("us", len(plan.launches))):
+                def step(layer, end=end, plan=plan, scratch=scratch):
+                    launch_plan.launch_prefill(dataclasses.replace(plan, launches=plan.launches[:end]), xs[layer],
+                                               tws[layer], ids[layer], layers[layer], scratch, outs[layer])
+
+                outs[0].fill_(float("nan"))
+                row[name] = graph_replay_us(step, count, args.reps)
+            row["scaled_diff_vs_prefill"] = ((outs[0].float() - want).abs().max() / want.abs().max()).item()
+            rows.append(row)
+        for row in sorted(rows, key=lambda r: r["us"]):
+            print(f"[prefill-sweep] M={M} {row['us']:9.2f} us (sort+W13 {row['through_w13_us']:8.2f}) "
+                  f"diff {row['scaled_diff_vs_prefill']:.1e}  "
+                  + ",".join(f"{k}={row[k]}" for k in dataclasses.asdict(configs[0])), flush=True)
+        results += rows
+        torch.cuda.empty_cache()
+    return results
 
 
 def _prefill_breakdown(args, layers, gen) -> List[Dict]:
@@ -442,8 +483,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-breakdown", default="", help="token counts at which to time the prefill route's stages")
     parser.add_argument("--write-routes", default="", help="set this GPU's grouped window in this route table "
                         "(moe_grouped_decode/routes.json) from the measured grouped and prefill columns")
-    parser.add_argument("--prefill-configs", default="1,4,4;2,4,4;4,4,4;2,8,8;4,8,8",
-                        help="PrefillConfigs as TOKEN_BLOCKS,W13_WARPS,W2_WARPS;...")
+    parser.add_argument("--prefill-configs", default="candidates",
+                        help="PrefillConfigs as TOKEN_BLOCKS,W13_WARPS,W2_WARPS;... or FIELD=VALUE,...;...; "
+                        "'candidates': kernels.config.prefill_candidates()")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench: needs a CUDA GPU (none visible)", file=sys.stderr)

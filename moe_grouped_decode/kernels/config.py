@@ -114,22 +114,53 @@ class GroupedConfig:
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """The prefill route's launches (prefill.py): groups of 8 * token_blocks rows of one expert."""
+    """The prefill route's launches: the ``mma`` kernels (prefill.py, groups of 8 * token_blocks
+    rows, inline-PTX mma.sync with the nibbles in the A fragments) or the ``dot`` kernels
+    (prefill_dot.py, groups of block_rows rows, tl.dot on weight tiles dequantized in registers)."""
 
-    token_blocks: int = 1  # 8-row B operands per program (rows per group / 8): 1, 2 or 4
-    w13_warps: int = 4  # W13: warps per program, each over a contiguous range of K (chunks unrolled)
-    w2_warps: int = 4  # W2: warps per program, 64 output columns each
+    token_blocks: int = 1  # mma: 8-row B operands per program (rows per group / 8): 1, 2 or 4
+    w13_warps: int = 4  # mma: warps over K (chunks unrolled); dot: num_warps
+    w2_warps: int = 4  # mma: warps of 64 output columns each; dot: num_warps
+    kernel: str = "mma"  # "mma" or "dot"
+    block_rows: int = 16  # dot: rows per group (the tl.dot M), a power of two >= 16
+    w13_block_n: int = 32  # dot: gate columns per W13 program (and as many up columns)
+    w13_block_k: int = 32  # dot: W13's reduction rows per step (a divisor or a multiple of G)
+    w2_block_n: int = 128  # dot: output columns per W2 program
+    w13_stages: int = 3  # dot: software-pipeline depth of W13's 32-row steps
+    w2_stages: int = 3  # dot: the same for W2
 
     def __post_init__(self) -> None:
-        for field in ("w13_warps", "w2_warps"):
+        for field in ("w13_warps", "w2_warps", "w13_stages", "w2_stages"):
             if getattr(self, field) < 1:
                 raise ValueError(f"PrefillConfig.{field} must be at least 1, got {getattr(self, field)}")
+        if self.kernel not in ("mma", "dot"):
+            raise ValueError(f"PrefillConfig.kernel must be 'mma' or 'dot', got {self.kernel!r}")
         if self.token_blocks not in (1, 2, 4):
             raise ValueError(f"PrefillConfig.token_blocks must be 1, 2 or 4, got {self.token_blocks}")
+        for field, least in (("block_rows", 16), ("w13_block_n", 16), ("w13_block_k", 32), ("w2_block_n", 16)):
+            value = getattr(self, field)
+            if value < least or value & (value - 1):
+                raise ValueError(f"PrefillConfig.{field} must be a power of two >= {least}, got {value}")
 
     @property
     def group_rows(self) -> int:
-        return 8 * self.token_blocks
+        return self.block_rows if self.kernel == "dot" else 8 * self.token_blocks
+
+
+def prefill_candidates() -> Tuple[PrefillConfig, ...]:
+    """The prefill route's search space (``bench --prefill-sweep``'s default, the generator of the
+    prefill tables): the mma kernels over 8- and 16-row groups; the dot kernels over 64- and
+    128-row groups, each with six W13 variants (columns, reduction rows per step, warps,
+    pipeline depth) paired with six W2 variants (columns, warps, depth), and two over 256-row
+    groups. W13 and W2 are timed apart (sort + W13, then the rest), so the pairing costs no
+    coverage."""
+    w13 = ((64, 32, 4, 3), (64, 64, 8, 3), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 4, 4), (64, 32, 8, 4))
+    w2 = ((128, 8, 3), (256, 8, 3), (64, 4, 3), (128, 4, 3), (256, 4, 3), (64, 8, 2))
+    dot = [(rows, a, b) for rows in (64, 128) for a, b in zip(w13, w2)]
+    dot += [(256, (64, 32, 8, 3), (128, 8, 3)), (256, (32, 64, 8, 3), (256, 8, 2))]
+    return (PrefillConfig(token_blocks=1), PrefillConfig(token_blocks=2)) + tuple(
+        PrefillConfig(kernel="dot", block_rows=rows, w13_block_n=a[0], w13_block_k=a[1], w13_warps=a[2],
+                      w13_stages=a[3], w2_block_n=b[0], w2_warps=b[1], w2_stages=b[2]) for rows, a, b in dot)
 
 
 # --------------------------------------------------------------------------- entries (tables and cache)

@@ -42,8 +42,8 @@ import torch
 import triton
 
 from .. import env
-from . import (MIN_CUDA_CAPABILITY, cuda_capability, device_name, expert_sort, gluon_helpers, prefill, w13_gluon,
-               w13_tl, w2_gluon, w2_tl)
+from . import (MIN_CUDA_CAPABILITY, cuda_capability, device_name, expert_sort, gluon_helpers, prefill, prefill_dot,
+               w13_gluon, w13_tl, w2_gluon, w2_tl)
 from .awq_mma import CHUNK_ROWS, TILE_WORDS
 from .carveout import prefer_max_shared_carveout
 from .combine import COMBINE_BLOCK, combine_kernel, combine_valid_kernel
@@ -350,7 +350,6 @@ def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig
         numel = math.prod(shape)
         regions.append((name, offset, shape, half))
         offset += -(-((numel + 1) // 2 if half else numel) // 16) * 16  # 64-byte aligned regions
-    w2_tiles = triton.cdiv(K, 64 * config.w2_warps)
     launches = (
         Launch("sort_ranks", "sort", expert_sort.ranks_kernel, (num_blocks,), ("topk_ids", "rows", "ranks", "block_counts"),
                _items(dict(E=E, E_PAD=e_pad, BLOCK=block)), _items({"num_warps": 4}), False),
@@ -366,22 +365,49 @@ def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig
         Launch("sort_scatter", "sort", expert_sort.scatter_kernel, (num_blocks,),
                ("topk_ids", "rows", "ranks", "block_counts", "expert_offsets", "sorted_rows"),
                _items(dict(E=E, E_PAD=e_pad, BLOCK=block)), _items({"num_warps": 4}), False),
-        Launch("w13_prefill", "w13", prefill.w13_prefill_kernel, (max_groups * (N // 32),),
-               ("x", "x_stride", "sorted_rows", "group_expert", "group_start", "group_count", "num_groups",
-                "w13_qweight", "w13_scales", "w13_qzeros", "act16", "rows"),
-               _items(dict(TOP_K=top_k, K=K, N=N, G=G, WARPS=config.w13_warps, TOKEN_BLOCKS=config.token_blocks,
-                           IS_BF16=is_bf16)),
-               _items({"num_warps": config.w13_warps}), False),
-        Launch("w2_prefill", "w2", prefill.w2_prefill_kernel, (max_groups, w2_tiles),
-               ("act16", "sorted_rows", "group_expert", "group_start", "group_count", "num_groups",
-                "w2_qweight", "w2_scales", "w2_qzeros", "row_out16", "rows"),
-               _items(dict(K=K, N=N, G=G, WARPS=config.w2_warps, TOKEN_BLOCKS=config.token_blocks, IS_BF16=is_bf16)),
-               _items({"num_warps": config.w2_warps}), False),
+        *_prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config),
         Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
                ("row_out16", "topk_weights", "topk_ids", "out", "out_stride"),
                _items(dict(TOP_K=top_k, K=K, E=E, BLOCK_K=COMBINE_BLOCK)), _items({"num_warps": 2}), False),
     )
     return PrefillPlan(M, top_k, K, N, G, dtype, E, config, launches, tuple(regions), offset)
+
+
+PREFILL_W13_ARGS = ("x", "x_stride", "sorted_rows", "group_expert", "group_start", "group_count", "num_groups",
+                    "w13_qweight", "w13_scales", "w13_qzeros", "act16")
+PREFILL_W2_ARGS = ("act16", "sorted_rows", "group_expert", "group_start", "group_count", "num_groups",
+                   "w2_qweight", "w2_scales", "w2_qzeros", "row_out16")
+
+
+def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig) -> Tuple[Launch, Launch]:
+    """The prefill route's W13 + SiLU and W2 launches of ``config.kernel``'s family."""
+    if config.kernel == "dot":
+        block_k = config.w13_block_k
+        if K % block_k or (block_k % G and G % block_k):
+            raise ValueError(f"prefill: w13_block_k {block_k} must divide the hidden size {K} and divide or be a "
+                             f"multiple of the group size {G}")
+        w13_tiles = triton.cdiv(N, config.w13_block_n)
+        return (
+            Launch("w13_prefill_dot", "w13", prefill_dot.w13_dot_kernel, (max_groups * w13_tiles,), PREFILL_W13_ARGS,
+                   _items(dict(TOP_K=top_k, K=K, N=N, G=G, BLOCK_ROWS=config.block_rows,
+                               BLOCK_N=config.w13_block_n, BLOCK_K=block_k, STAGES=config.w13_stages)),
+                   _items({"num_warps": config.w13_warps}), False),
+            Launch("w2_prefill_dot", "w2", prefill_dot.w2_dot_kernel, (max_groups, triton.cdiv(K, config.w2_block_n)),
+                   PREFILL_W2_ARGS,
+                   _items(dict(K=K, N=N, G=G, BLOCK_ROWS=config.block_rows, BLOCK_N=config.w2_block_n,
+                               STAGES=config.w2_stages)),
+                   _items({"num_warps": config.w2_warps}), False),
+        )
+    return (
+        Launch("w13_prefill", "w13", prefill.w13_prefill_kernel, (max_groups * (N // 32),), PREFILL_W13_ARGS + ("rows",),
+               _items(dict(TOP_K=top_k, K=K, N=N, G=G, WARPS=config.w13_warps, TOKEN_BLOCKS=config.token_blocks,
+                           IS_BF16=is_bf16)),
+               _items({"num_warps": config.w13_warps}), False),
+        Launch("w2_prefill", "w2", prefill.w2_prefill_kernel, (max_groups, triton.cdiv(K, 64 * config.w2_warps)),
+               PREFILL_W2_ARGS + ("rows",),
+               _items(dict(K=K, N=N, G=G, WARPS=config.w2_warps, TOKEN_BLOCKS=config.token_blocks, IS_BF16=is_bf16)),
+               _items({"num_warps": config.w2_warps}), False),
+    )
 
 
 def launch_prefill(plan: PrefillPlan, hidden_states, topk_weights, topk_ids, weights, scratch: torch.Tensor,
