@@ -149,14 +149,14 @@ class PrefillConfig:
 
 def prefill_candidates() -> Tuple[PrefillConfig, ...]:
     """The prefill route's search space (``bench --prefill-sweep``'s default, the generator of the
-    prefill tables): the mma kernels over 8- and 16-row groups; the dot kernels over 64- and
-    128-row groups, each with six W13 variants (columns, reduction rows per step, warps,
+    prefill tables): the mma kernels over 8- and 16-row groups; the dot kernels over 32-, 64- and
+    128-row groups, each with six W13 variants (gate columns, reduction rows per step, warps,
     pipeline depth) paired with six W2 variants (columns, warps, depth), and two over 256-row
     groups. W13 and W2 are timed apart (sort + W13, then the rest), so the pairing costs no
     coverage."""
-    w13 = ((64, 32, 4, 3), (64, 64, 8, 3), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 4, 4), (64, 32, 8, 4))
+    w13 = ((32, 32, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (32, 128, 4, 3))
     w2 = ((128, 8, 3), (256, 8, 3), (64, 4, 3), (128, 4, 3), (256, 4, 3), (64, 8, 2))
-    dot = [(rows, a, b) for rows in (64, 128) for a, b in zip(w13, w2)]
+    dot = [(rows, a, b) for rows in (32, 64, 128) for a, b in zip(w13, w2)]
     dot += [(256, (64, 32, 8, 3), (128, 8, 3)), (256, (32, 64, 8, 3), (256, 8, 2))]
     return (PrefillConfig(token_blocks=1), PrefillConfig(token_blocks=2)) + tuple(
         PrefillConfig(kernel="dot", block_rows=rows, w13_block_n=a[0], w13_block_k=a[1], w13_warps=a[2],

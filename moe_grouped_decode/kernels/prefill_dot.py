@@ -1,23 +1,24 @@
 """The prefill route's two GEMMs on ``tl.dot``: programs over groups of up to BLOCK_ROWS sorted rows of one expert.
 
 The routed rows arrive sorted by expert (``expert_sort.py``: per group its expert, first sorted
-position and row count). A program dequantizes one tile of its expert's weights per 32-row step
-of the reduction and multiplies all the group's rows by it, so the dequantization is paid once per
+position and row count). A program dequantizes one tile of its expert's weights per step of the
+reduction and multiplies all the group's rows by it, so the dequantization is paid once per
 BLOCK_ROWS rows and each weight byte is read once per group (the tiles of an expert's later groups
 come from L2: a group's programs, and an expert's groups, sit next to each other in the grid)::
 
-    [W13]  program (group, tile): x[token of each row] [BLOCK_ROWS, 32] per step; the expert's gate
-           columns tile * BLOCK_N .. + BLOCK_N and the same up columns, (q - z) * scale in the
-           activation dtype [32, BLOCK_N] each; two tl.dot into float32
+    [W13]  program (group, tile): x[token of each row] [BLOCK_ROWS, BLOCK_K] per step; the expert's
+           gate columns tile * BLOCK_N .. + BLOCK_N and the same up columns side by side,
+           (q - z) * scale in the activation dtype [BLOCK_K, 2 * BLOCK_N]; one tl.dot into float32
            -> act[sorted position, cols] = silu(gate) * up, rounded to the activation dtype
     [W2]   program (group, tile): act of the group's sorted positions [BLOCK_ROWS, 32] per step,
            W2 columns tile * BLOCK_N .. + BLOCK_N dequantized the same way; tl.dot into float32
            -> row_out[routed row, cols] in the activation dtype
     then the combine (combine.py): out[t] = sum_j topk_weights[t, j] * row_out[t * k + j]
 
-A step of 32 rows sits inside one AWQ group (G is a multiple of 32), so a step needs one row of
-scales and zeros. The weights are rounded to the activation dtype before the product, as vLLM's
-own Triton AWQ kernels do; a row's bits depend on the config, not on the other rows of its group.
+A step spans whole AWQ groups or sits inside one (its rows divide G or are a multiple of it), so
+its scales and zeros are one row per group. The weights are rounded to the activation dtype
+before the product, as vLLM's own Triton AWQ kernels do; a row's bits depend on the config, not
+on the other rows of its group.
 """
 
 from __future__ import annotations
@@ -113,28 +114,33 @@ def w13_dot_kernel(
     expert, position, in_group, row = _group_rows(group_id, group_expert_ptr, group_start_ptr, group_count_ptr,
                                                   sorted_rows_ptr, BLOCK_ROWS)
     token = (row // TOP_K).to(tl.int64)
-    words = tile * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    word_ok = words < N // 8
-    col_ok = cols < N
-    shifts = awq_column_shift(tl.arange(0, BLOCK_N) % 8)
+    # one B operand of 2 * BLOCK_N columns: the tile's gate columns, then the same up columns (one
+    # wgmma per step, twice as wide, instead of two that wait for each other)
+    local = tl.arange(0, 2 * BLOCK_N)
+    is_up = local >= BLOCK_N
+    gate_cols = tile * BLOCK_N + local % BLOCK_N
+    cols = tl.where(is_up, N + gate_cols, gate_cols)
+    col_ok = gate_cols < N
+    word_local = tl.arange(0, 2 * BLOCK_N // 8)
+    gate_words = tile * (BLOCK_N // 8) + word_local % (BLOCK_N // 8)
+    words = tl.where(word_local >= BLOCK_N // 8, N // 8 + gate_words, gate_words)
+    word_ok = gate_words < N // 8
+    shifts = awq_column_shift(local % 8)
     weights = qweight_ptr + expert * (K * PACKED)
     scales = scales_ptr + expert * (K // G * 2 * N)
     zeros = qzeros_ptr + expert * (K // G * PACKED)
     x_rows = x_ptr + token[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
-    acc_gate = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, 2 * BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x = tl.load(x_rows + k0, mask=in_group[:, None], other=0.0)
-        gate = _awq_step(weights, scales, zeros, k0, words, cols, word_ok, col_ok, shifts, PACKED, 2 * N, G, BLOCK_K,
-                         BLOCK_N)
-        up = _awq_step(weights + N // 8, scales + N, zeros + N // 8, k0, words, cols, word_ok, col_ok, shifts, PACKED,
-                       2 * N, G, BLOCK_K, BLOCK_N)
-        acc_gate = _dot(x, gate, acc_gate)
-        acc_up = _dot(x, up, acc_up)
-    act = silu_mul(acc_gate, acc_up)
-    tl.store(act_ptr + position[:, None] * N + cols[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=in_group[:, None] & col_ok[None, :])
+        w = _awq_step(weights, scales, zeros, k0, words, cols, word_ok, col_ok, shifts, PACKED, 2 * N, G, BLOCK_K,
+                      2 * BLOCK_N)
+        acc = _dot(x, w, acc)
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_ROWS, 2, BLOCK_N]), [0, 2, 1]))
+    act = silu_mul(gate, up)
+    out_cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(act_ptr + position[:, None] * N + out_cols[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=in_group[:, None] & (out_cols < N)[None, :])
 
 
 @triton.jit
