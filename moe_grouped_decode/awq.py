@@ -91,6 +91,11 @@ class AwqMoeWeights:
     w2_qzeros: torch.Tensor
     group_size: int
 
+    def __post_init__(self):
+        # a bool is an int to Python, and True would pass as G = 1; a SymInt is a traced int
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, (int, torch.SymInt)):
+            raise ValueError(f"group_size must be an int (the AWQ group size, e.g. 32 or 128), got {self.group_size!r}")
+
     @property
     def num_experts(self) -> int:
         return self.w13_qweight.shape[0]

@@ -23,7 +23,8 @@ def small_weights(dtype=torch.float16, seed=0):
 def routing(m, k, num_experts, pattern, seed, weight_dtype=torch.float32, id_dtype=torch.int32):
     gen = torch.Generator().manual_seed(seed)
     if pattern == "random":
-        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(m)])
+        rows = [torch.randperm(num_experts, generator=gen)[:k] for _ in range(m)]
+        ids = torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64)
     elif pattern == "round_robin":
         ids = (torch.arange(m * k) % num_experts).view(m, k)
     elif pattern == "single_hot":  # every token on the same k experts: multi-row segments
@@ -190,14 +191,14 @@ BAD_INPUTS = [
     ("activation-float32", 0, lambda a: a[0].float(), "hidden_states must be float16 or bfloat16"),
     ("hidden-3d", 0, lambda a: a[0].unsqueeze(0), "hidden_states must be 2-D"),
     ("ids-float", 2, lambda a: a[2].float(), "topk_ids must be int32 or int64"),
-    ("ids-wrong-M", 2, lambda a: a[2][:-1], "topk_ids must be"),
-    ("weights-shape", 1, lambda a: a[1][:, :-1], "topk_weights must be"),
+    ("ids-wrong-M", 2, lambda a: a[2][:-1], "topk_ids must have shape \\(4, 3\\)"),
+    ("weights-shape", 1, lambda a: a[1][:, :-1], "topk_ids \\(4, 3\\) and topk_weights \\(4, 2\\) must have the same"),
     ("weights-dtype", 1, lambda a: a[1].double(), "topk_weights must be float32 or"),
     ("qweight-dtype", 3, lambda a: a[3].to(torch.int64), "w13_qweight must be int32"),
     ("scales-dtype", 4, lambda a: a[4].to(torch.bfloat16), "w13_scales must have the activation dtype"),
     ("w13-scales-shape", 4, lambda a: a[4][:, :1], "w13_scales must have shape"),
     ("w2-qzeros-shape", 8, lambda a: a[8][:, :, :-1], "w2_qzeros must have shape"),
-    ("hidden-size-mismatch", 0, lambda a: a[0][:, :32], "w13_qweight must be"),
+    ("hidden-size-mismatch", 0, lambda a: a[0][:, :32], "hidden_states must have shape \\(4, 64\\)"),
     ("group-not-dividing", 9, lambda a: 24, "group_size=24 must divide"),
     ("group-nonpositive", 9, lambda a: 0, "group_size must be a positive int"),
     ("ids-out-of-range-high", 2, lambda a: torch.full_like(a[2], E), "topk_ids must lie in \\[0, E=8\\)"),
@@ -243,3 +244,241 @@ def test_alloc_workspace_validates():
         alloc_workspace(0, 10, 2560, 160, "cpu")
     ws = alloc_workspace(8, 10, 2560, 160, "cpu")
     assert ws.dtype == torch.int32 and ws.dim() == 1
+
+
+def test_group_size_must_not_be_a_bool():
+    """The dispatcher turns True into 1 before any of our code runs, so the op rejects the 1 it
+    receives (the weights' scales hold another group size); the Python side, AwqMoeWeights and
+    so synthetic_moe_weights, rejects the bool itself."""
+    x, tw, ids, *weights = make_args(4)
+    with pytest.raises(ValueError, match="awq_moe_dense: group_size=1 does not match the weights: .* i.e. G=32"):
+        OPS.awq_moe_dense(x, tw, ids, *weights[:-1], True)
+    with pytest.raises(ValueError, match="group_size must be an int .* got True"):
+        AwqMoeWeights(*weights[:-1], True)
+    with pytest.raises(ValueError, match="group_size must be an int .* got True"):
+        synthetic_moe_weights(E, K, N, True)
+
+
+# --------------------------------------------------------------------------- every shape error names its tensor
+
+# E, K, N, G, M, k with every dim of a tensor unlike its others, so that each swap of two dims changes a shape
+BE, BK, BN, BG, BM, Bk = 5, 96, 64, 32, 7, 3
+ROUTING_NAMES = ("hidden_states", "topk_weights", "topk_ids")
+WEIGHT_NAMES = ("w13_qweight", "w13_scales", "w13_qzeros", "w2_qweight", "w2_scales", "w2_qzeros")
+# the layout written out from the AWQ format (awq.py's docstring), not from the checker
+RIGHT_SHAPES = {
+    "hidden_states": (BM, BK), "topk_weights": (BM, Bk), "topk_ids": (BM, Bk),
+    "w13_qweight": (BE, BK, 2 * BN // 8), "w13_scales": (BE, BK // BG, 2 * BN), "w13_qzeros": (BE, BK // BG, 2 * BN // 8),
+    "w2_qweight": (BE, BN, BK // 8), "w2_scales": (BE, BN // BG, BK), "w2_qzeros": (BE, BN // BG, BK // 8),
+}
+
+
+def _wrong_shapes():
+    """(case id, tensor name, wrong shape): every dim of each of the 9 tensors +-1, and every swap of two dims."""
+    for name, shape in RIGHT_SHAPES.items():
+        for d in range(len(shape)):
+            for delta in (-1, 1):
+                yield f"{name}-dim{d}{delta:+d}", name, shape[:d] + (shape[d] + delta,) + shape[d + 1:]
+        for a in range(len(shape)):
+            for b in range(a + 1, len(shape)):
+                swapped = list(shape)
+                swapped[a], swapped[b] = swapped[b], swapped[a]
+                yield f"{name}-swap{a}{b}", name, tuple(swapped)
+
+
+WRONG_SHAPES = list(_wrong_shapes())
+
+
+@pytest.fixture(scope="module")
+def blame_args():
+    w = synthetic_moe_weights(BE, BK, BN, BG, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    tw, ids = routing(BM, Bk, BE, "random", seed=5)
+    args = dict(hidden_states=torch.randn(BM, BK, generator=gen).half(), topk_weights=tw, topk_ids=ids,
+                **dict(zip(WEIGHT_NAMES, w.tensors())))
+    assert {n: tuple(t.shape) for n, t in args.items()} == RIGHT_SHAPES
+    return args
+
+
+def _call(op, args, group_size=BG, workspace=None):
+    ordered = [args[n] for n in (*ROUTING_NAMES, *WEIGHT_NAMES)]
+    if op == "dense":
+        return OPS.awq_moe_dense(*ordered, group_size)
+    ws = alloc_workspace(BM, Bk, BK, BN, "cpu") if workspace is None else workspace
+    return OPS.awq_moe_grouped_decode(*ordered, group_size, ws)
+
+
+@pytest.mark.parametrize("case,name,shape", WRONG_SHAPES, ids=[c[0] for c in WRONG_SHAPES])
+@pytest.mark.parametrize("op", ["dense", "grouped"])
+def test_shape_errors_name_the_wrong_tensor(blame_args, op, case, name, shape):
+    args = dict(blame_args, **{name: torch.zeros(shape, dtype=blame_args[name].dtype)})
+    with pytest.raises(ValueError) as info:
+        _call(op, args)
+    message = str(info.value)
+    prefix = f"awq_moe_{'dense' if op == 'dense' else 'grouped_decode'}: "
+    if name in ("topk_ids", "topk_weights") and shape[0] == BM and shape[1] != Bk:
+        # k has only these two witnesses: no majority says which is wrong, so both are named
+        assert message.startswith(f"{prefix}topk_ids {tuple(args['topk_ids'].shape)} and topk_weights "
+                                  f"{tuple(args['topk_weights'].shape)} must have the same shape [M={BM}, k]"), message
+    else:
+        assert message.startswith(f"{prefix}{name} must have shape {RIGHT_SHAPES[name]}"), message
+        assert message.endswith(f"got {shape}"), message
+
+
+MORE_BAD_ARGUMENTS = [
+    ("k-zero", dict(topk_ids=torch.zeros(BM, 0, dtype=torch.int32), topk_weights=torch.zeros(BM, 0)),
+     r"topk_ids must route each token to k >= 1 experts: shape \[M=7, k >= 1\], got \(7, 0\)"),
+    ("group-size-smaller", dict(group_size=16), r"group_size=16 does not match the weights: .* i\.e\. G=32"),
+    ("group-size-larger", dict(group_size=64), r"group_size=64 must divide hidden size K=96 and intermediate size N=64"),
+    ("group-size-bool", dict(group_size=True), r"group_size=1 does not match the weights"),
+    ("hidden-K-off-by-4", dict(hidden_states=torch.zeros(BM, 100, dtype=torch.float16)),
+     r"hidden_states must have shape \(7, 96\)"),
+]
+
+
+@pytest.mark.parametrize("case,change,match", MORE_BAD_ARGUMENTS, ids=[c[0] for c in MORE_BAD_ARGUMENTS])
+@pytest.mark.parametrize("op", ["dense", "grouped"])
+def test_more_bad_arguments_are_named(blame_args, op, case, change, match):
+    change = dict(change)
+    group_size = change.pop("group_size", BG)
+    with pytest.raises(ValueError, match=match):
+        _call(op, dict(blame_args, **change), group_size)
+
+
+def test_short_workspace_is_named(blame_args):
+    from moe_grouped_decode.ops import workspace_numel
+
+    need = workspace_numel(BM * Bk, BK, BN)
+    _call("grouped", blame_args, workspace=torch.empty(need, dtype=torch.int32))  # exactly enough is fine
+    with pytest.raises(ValueError, match=rf"workspace holds fewer .*\(needs {need} int32 elements .* has {need - 1}\)"):
+        _call("grouped", blame_args, workspace=torch.empty(need - 1, dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------- workspace memory
+
+INPUT_NAMES = (*ROUTING_NAMES, *WEIGHT_NAMES)
+
+
+def _inside(workspace: torch.Tensor, t: torch.Tensor, byte_offset: int) -> torch.Tensor:
+    """A copy of ``t`` living in ``workspace``'s memory from ``byte_offset`` on."""
+    view = workspace.view(torch.uint8)[byte_offset : byte_offset + t.numel() * t.element_size()]
+    return view.view(t.dtype).view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("name", INPUT_NAMES)
+def test_workspace_overlapping_an_input_is_rejected(name):
+    """Before the check, an input inside the workspace was overwritten while read (a wrong result)."""
+    x, tw, ids, *weights = make_args(4)
+    args = dict(zip(INPUT_NAMES, (x, tw, ids, *weights[:-1])))
+    workspace = alloc_workspace(4, 3, K, N, "cpu")
+    region = workspace.numel() * 4 // 2  # the middle: the scratch regions reach it
+    args[name] = _inside(workspace, args[name], region - region % 64)
+    with pytest.raises(ValueError, match=f"awq_moe_grouped_decode: workspace overlaps {name} in memory"):
+        OPS.awq_moe_grouped_decode(*args.values(), G, workspace)
+
+
+def test_workspace_and_inputs_carved_from_one_buffer_without_overlap_are_fine():
+    """The check compares the bytes the tensors reach, not their storages: disjoint views of one
+    buffer give the same result as separate allocations."""
+    x, tw, ids, *weights = make_args(4)
+    workspace = alloc_workspace(4, 3, K, N, "cpu")
+    expected = OPS.awq_moe_grouped_decode(x, tw, ids, *weights, workspace)
+    buffer = torch.empty(workspace.numel() + x.numel() // 2, dtype=torch.int32)
+    shared_ws = buffer[: workspace.numel()]
+    shared_x = _inside(buffer, x, workspace.numel() * 4)  # starts at the workspace's last byte + 1
+    assert shared_ws.untyped_storage().data_ptr() == shared_x.untyped_storage().data_ptr()
+    assert torch.equal(OPS.awq_moe_grouped_decode(shared_x, tw, ids, *weights, shared_ws), expected)
+    # one element further down and they share 2 bytes
+    with pytest.raises(ValueError, match="workspace overlaps hidden_states"):
+        OPS.awq_moe_grouped_decode(shared_x, tw, ids, *weights, buffer[: workspace.numel() + 1])
+
+
+def test_meta_tensors_skip_the_memory_check():
+    """Meta tensors have no memory (every data_ptr() is 0): the ops still run their fake kernels."""
+    args = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in make_args(4)]
+    out = OPS.awq_moe_grouped_decode(*args, alloc_workspace(4, 3, K, N, "meta"))
+    assert out.device.type == "meta" and out.shape == (4, K)
+
+
+def test_workspace_check_covers_strided_views_and_out():
+    """A transposed view reaches from its first to its last element; ``out`` (a caller's output
+    buffer, e.g. for the CUDA launcher) is checked like any input."""
+    from moe_grouped_decode.ops.awq_moe import check_workspace_disjoint
+
+    buffer = torch.zeros(64, dtype=torch.int32)
+    workspace = buffer[:32]
+    strided = buffer[28:].view(6, 6).t()  # first element 28, reaches [28, 64)
+    with pytest.raises(ValueError, match="workspace overlaps out"):
+        check_workspace_disjoint("op", workspace, {"out": strided})
+    check_workspace_disjoint("op", workspace, {"out": buffer[32:].view(8, 4).t()})  # [32, 64): disjoint
+
+
+# --------------------------------------------------------------------------- M = 0, symbolic sizes
+
+
+def _three_ops(x, tw, ids, w13q, w13s, w13z, w2q, w2s, w2z, group_size, workspace):
+    weight_args = (w13q, w13s, w13z, w2q, w2s, w2z, group_size)
+    return (
+        OPS.awq_moe_dense(x, tw, ids, *weight_args),
+        OPS.awq_moe_grouped_decode(x, tw, ids, *weight_args, workspace),
+        OPS.awq_moe_routed(x, tw, ids, *weight_args, workspace, 2, 8),
+    )
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_zero_tokens_give_an_empty_result(mode):
+    x, tw, ids, *weights = make_args(4, dtype=torch.bfloat16)
+    args = (x[:0], tw[:0], ids[:0], *weights, alloc_workspace(8, 3, K, N, "cpu"))  # the routed op's window: 2..8
+    fn = _three_ops if mode == "eager" else torch.compile(_three_ops, fullgraph=True)
+    for out in fn(*args):
+        assert out.shape == (0, K) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("op", ["dense", "grouped"])
+def test_opcheck_zero_tokens(op):
+    args = make_args(0)
+    if op == "dense":
+        torch.library.opcheck(OPS.awq_moe_dense.default, args)
+    else:
+        torch.library.opcheck(OPS.awq_moe_grouped_decode.default, (*args, alloc_workspace(1, 3, K, N, "cpu")))
+
+
+def test_dynamic_compile_with_group_size_an_argument():
+    """torch.compile(dynamic=True) makes every size and the int group_size symbolic: the fake
+    kernels must neither force them to ints nor reject them; the compiled graph serves other M."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_three_ops, dynamic=True, fullgraph=True, backend=counter)
+    workspace = alloc_workspace(8, 3, K, N, "cpu")
+    for m in (4, 6):  # no other size is 4 or 6: duck sizing would tie M to it
+        args = (*make_args(m, seed=m), workspace)
+        for got, want in zip(compiled(*args), _three_ops(*args)):
+            assert torch.equal(got, want)
+    assert counter.frame_count == 1  # M stayed symbolic: no recompile for the second M
+    inputs = {n.name: n.meta["example_value"] for n in counter.graphs[0].graph.find_nodes(op="placeholder")}
+    assert isinstance(inputs["l_group_size_"], torch.SymInt)  # the case under test, not a specialized 32
+
+
+# --------------------------------------------------------------------------- float32 overflow
+
+
+@pytest.mark.parametrize("scale", [1e20, 1e30, 1e37])  # past float32 in silu(gate) * up; 1e37: in gate itself
+@pytest.mark.parametrize("op", ["dense", "grouped"])
+def test_overflow_gives_the_references_inf(op, scale):
+    """bf16 inputs whose float32 intermediates overflow: the result is the float64 reference's,
+    rounded (+-Inf where it overflows bf16), never NaN."""
+    x, tw, ids, *weights = make_args(4, dtype=torch.bfloat16, seed=7)
+    x = (x.float() * scale).to(torch.bfloat16)
+    assert torch.isfinite(x).all()
+    ref = reference_moe(x, tw, ids, AwqMoeWeights(*weights)).to(torch.bfloat16)
+    assert not ref.isnan().any() and ref.isinf().any()
+    if op == "dense":
+        out = OPS.awq_moe_dense(x, tw, ids, *weights)
+    else:
+        out = OPS.awq_moe_grouped_decode(x, tw, ids, *weights, alloc_workspace(4, 3, K, N, "cpu"))
+    assert not out.isnan().any()
+    assert torch.equal(out.isinf(), ref.isinf()) and torch.equal(out[ref.isinf()], ref[ref.isinf()])
+    finite = ~ref.isinf()
+    if finite.any():  # 1e20: some outputs stay within bf16
+        assert error_stats(out[finite], ref[finite].double()).max_ulp <= 1
