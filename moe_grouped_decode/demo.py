@@ -136,6 +136,11 @@ def run_vllm_check(checkpoint_root: Path, requests: int = 4, min_tokens: int = 4
     return ok
 
 
+def _usage_error(message: str) -> int:
+    print(f"python -m moe_grouped_decode demo: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_grouped_decode demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -143,6 +148,19 @@ def main(argv=None) -> int:
                         help="where the generated checkpoint is kept (reused when already built)")
     parser.add_argument("--skip-vllm", action="store_true", help="only the operator check")
     args = parser.parse_args(argv)
+    if not args.skip_vllm:
+        # checked before the operator check, which takes a minute or two
+        from .compile_plugin import vllm_missing
+
+        missing = vllm_missing()
+        if missing:
+            return _usage_error(f"{missing}; or run `python -m moe_grouped_decode demo --skip-vllm` "
+                                "for the operator check alone")
+        try:
+            args.checkpoints.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            return _usage_error(f"--checkpoints {args.checkpoints}: cannot create it ({err.strerror}); "
+                                "pass a writable directory")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ok = run_operator_check(device=device)

