@@ -21,7 +21,8 @@ fresh Python process; it measures, in this order:
    profiler (``profiler_config``, ``llm.start_profile()``); the CUDA kernels of
    each step (those launched between its ``execute_context_*`` annotation and
    the next) are summed. GPU ms per step beside the wall ITL shows a host-bound
-   cell: there the GPU idles between steps.
+   cell: there the GPU idles between steps. Then each ``--ttft-prompts`` prompt
+   again, its prefill step(s) under the profiler: GPU time and top kernels.
 
 Everything unprofiled runs before the profiler is first started. The parent
 process builds the checkpoint (on the GPU when there is one: random packed
@@ -285,6 +286,25 @@ def step_summary(rows: List[dict], concurrency: int, top: int = 12) -> dict:
     return summary
 
 
+def prefill_step_summary(rows: List[dict], prompt_tokens: int, top: int = 8) -> dict:
+    """The steps that prefill one ``prompt_tokens``-token prompt (no decode beside it): their GPU
+    kernel time (summed over the steps of one prompt, as a chunked prefill takes several) and the
+    kernels that took it."""
+    steps = [r for r in rows if r["prefill_requests"] == 1 and r["decode_requests"] == 0]
+    tokens = sum(r["prefill_tokens"] for r in steps)
+    totals: Dict[str, float] = {}
+    for r in steps:
+        for name, us in r["kernels"].items():
+            totals[name] = totals.get(name, 0.0) + us
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "prompt_tokens": prompt_tokens, "prefill_steps": len(steps), "prefill_tokens": tokens,
+        "gpu_kernel_ms": _ms(sum(r["kernel_us"] for r in steps)) if steps else None,
+        "gpu_span_ms": _ms(sum(r["span_us"] or 0.0 for r in steps)) if steps else None,
+        "top_kernels": [[name, round(us, 2)] for name, us in ranked],
+    }
+
+
 def _name(value) -> str:
     return str(getattr(value, "name", value))
 
@@ -440,6 +460,20 @@ def run_arm(args, arm: str) -> int:
             cells.append({"concurrency": c, "trace_files": len(new), **summary})
             progress(arm, f"profile C={c}: {summary['decode_steps']} decode steps, GPU {summary['gpu_kernel_ms']} ms "
                           f"(span {summary['gpu_span_ms']} ms) per step, host step period {summary['host_period_ms']} ms")
+        prefills = result["profile_prefill"] = []
+        for length in args.ttft_prompts:
+            before = trace_files(profile_dir)
+            llm.start_profile()
+            generate(token_prompts(1, length, vocab, seed=50_000 + length), greedy(1))
+            llm.stop_profile()
+            new = sorted(trace_files(profile_dir) - before)
+            events = [e for p in new for e in load_trace(p)]
+            for p in new:
+                p.unlink()
+            summary = prefill_step_summary(decode_steps(events), length)
+            prefills.append(summary)
+            progress(arm, f"profile prefill {length} tokens: {summary['prefill_steps']} step(s), GPU "
+                          f"{summary['gpu_kernel_ms']} ms (span {summary['gpu_span_ms']} ms)")
 
     for name, function in (("decode", decode), ("ttft", ttft), ("agreement", agreement), ("profile", profile)):
         progress(arm, f"phase {name}")
@@ -579,6 +613,13 @@ def build_report(out: Path, meta: dict) -> dict:
             ttft.append({"prompt_tokens": length, "on_ms": row_on["ttft_ms"], "off_ms": off_ttft[length]["ttft_ms"],
                          "on_over_off": round(row_on["ttft_ms"] / off_ttft[length]["ttft_ms"], 3),
                          "on_repeats": row_on["ttft_ms_repeats"], "off_repeats": off_ttft[length]["ttft_ms_repeats"]})
+    prefill_off = by(off, "profile_prefill", "prompt_tokens")
+    for cell in ttft:
+        for arm_name, profiles in (("on", by(on, "profile_prefill", "prompt_tokens")), ("off", prefill_off)):
+            p = profiles.get(cell["prompt_tokens"])
+            if p is not None:
+                cell[f"{arm_name}_gpu_ms"] = p["gpu_kernel_ms"]
+                cell[f"{arm_name}_top_kernels"] = p["top_kernels"]
     startup = {arm: {**data.get("timing", {}), **{k: v for k, v in data["log"].items() if k.endswith(("_s", "_gib", "_vllm"))}}
                for arm, data in arms.items()}
     report = {
@@ -639,6 +680,17 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
     for cell in report["ttft"]:
         lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell['on_ms'], 2)} | {_fmt(cell['off_ms'], 2)} | "
                      f"{_fmt(cell['on_over_off'], 3)} | {cell['on_repeats']} | {cell['off_repeats']} |")
+    if any(cell.get("on_gpu_ms") is not None for cell in report["ttft"]):
+        lines += ["", "The prefill of one prompt under the torch profiler (GPU kernel time of its step(s), and the "
+                  "kernels that took most of it, ms):", "",
+                  "| prompt tokens | on GPU ms | off GPU ms | on top kernels | off top kernels |",
+                  "| --- | --- | --- | --- | --- |"]
+        for cell in report["ttft"]:
+            def top(kernels):
+                return "; ".join(f"{name[:40]} {us / 1000:.2f}" for name, us in (kernels or [])[:4]) or "-"
+
+            lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell.get('on_gpu_ms'), 3)} | {_fmt(cell.get('off_gpu_ms'), 3)} | "
+                         f"{top(cell.get('on_top_kernels'))} | {top(cell.get('off_top_kernels'))} |")
     rows = [("import vllm, s", "import_s"), ("LLM(...) wall, s", "startup_s"), ("model load, s", "load_s"),
             ("engine init (profile, KV cache, warmup, capture), s", "init_engine_s"), ("compilation, s", "compile_s"),
             ("CUDA-graph capture, s (log timestamps)", "capture_s"), ("CUDA-graph capture, s (vLLM's rounded line)", "capture_s_vllm"),

