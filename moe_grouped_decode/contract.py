@@ -239,6 +239,11 @@ def admits(shape: LayerShape, num_tokens: Union[int, TokenRange, None] = None) -
     else:
         lo = hi = int(num_tokens)
 
+    from .env import batch_invariant
+
+    if lo is not None and batch_invariant():
+        # one route at every M, or a token's bits would change where the routes meet
+        return Admission(None, "batch-invariant mode: the prefill route serves every token count")
     rejections = []
     for contract in _REGISTRY.values():
         mismatches = contract.shape_mismatches(shape)

@@ -15,6 +15,10 @@
     unset or ``1``: the grouped op's W13 runs as the Gluon kernel where Gluon runs,
     and so does W2 where the config asks. ``0``: the ``tl`` kernels everywhere, with
     their own table: the rollback should Triton's experimental Gluon misbehave.
+``MOE_GROUPED_DECODE_BATCH_INVARIANT``
+    ``1``: every token's output bits are the same whatever M and whatever other tokens share
+    the call: admitted layers run one route (the prefill route) under one launch config at
+    every M. Unset: follows vLLM's ``VLLM_BATCH_INVARIANT``. ``0``: off even when vLLM's is on.
 
 Each switch also answers to its older name, ``VLLM_AWQ_MOE_GROUPED_DECODE``,
 ``VLLM_AWQ_MOE_GROUPED_DECODE_TUNE`` and ``VLLM_AWQ_MOE_GROUPED_DECODE_GLUON``.
@@ -136,3 +140,22 @@ def grouped_window_setting() -> Optional[Tuple[int, int]]:
     if not 1 <= lo <= hi:
         raise ValueError(f"{WINDOW_ENV}={raw!r}: the window must satisfy 1 <= LO <= HI")
     return lo, hi
+
+
+BATCH_INVARIANT_ENV = "MOE_GROUPED_DECODE_BATCH_INVARIANT"
+VLLM_BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"  # vLLM's own switch, read only
+
+
+def batch_invariant() -> bool:
+    """Whether batch-invariant mode is on: MOE_GROUPED_DECODE_BATCH_INVARIANT when set, else
+    vLLM's VLLM_BATCH_INVARIANT (any value vLLM reads as on: a nonzero integer)."""
+    raw = _raw(BATCH_INVARIANT_ENV)
+    if raw is not None:
+        return _to_bool(BATCH_INVARIANT_ENV, raw)
+    raw = _raw(VLLM_BATCH_INVARIANT_ENV)
+    if raw is None:
+        return False
+    try:
+        return int(raw) != 0
+    except ValueError:
+        return _to_bool(VLLM_BATCH_INVARIANT_ENV, raw)

@@ -196,3 +196,22 @@ def test_prefill_sort_at_engine_token_limits(M):
     experts = torch.repeat_interleave(views["group_expert"][:live].long(), counts.long())
     assert torch.equal(ids.flatten().long()[rows], experts)
     assert torch.isfinite(out).all()
+
+
+def test_batch_invariant_mode_gives_each_token_the_same_bits(layer, monkeypatch):
+    """MOE_GROUPED_DECODE_BATCH_INVARIANT=1: a token's output bits do not depend on M or on the
+    tokens beside it, across the prefill table's whole range (its mma and dot entries) and in
+    any order. Without the mode the table changes kernels at 1025 tokens (and so the bits)."""
+    weights, _ = layer
+    gen = torch.Generator().manual_seed(41)
+    M = 2048
+    x = torch.randn(M, K, generator=gen).to(weights.dtype).cuda()
+    ids, tw = routing("skewed", M, gen)
+    monkeypatch.setenv("MOE_GROUPED_DECODE_BATCH_INVARIANT", "1")
+    full = prefill_op(x, tw, ids, *weights.op_args()).view(torch.int16)
+    for m in (1, 2, 8, 33, 300, 1025):
+        part = prefill_op(x[:m], tw[:m], ids[:m], *weights.op_args()).view(torch.int16)
+        assert torch.equal(part, full[:m]), f"M={m}: {int((part != full[:m]).sum())} elements differ from M={M}'s"
+    perm = torch.randperm(M, generator=gen).cuda()
+    shuffled = prefill_op(x[perm], tw[perm], ids[perm], *weights.op_args()).view(torch.int16)
+    assert torch.equal(shuffled, full[perm])

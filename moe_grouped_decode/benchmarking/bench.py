@@ -208,6 +208,7 @@ def run(args) -> Dict:
         "python": platform.python_version(),
         "anchors": {name: (value if isinstance(value, str) else "measured") for name, value in anchors.items()},
         "w13_kernel": _w13_kernel_name(),
+        "batch_invariant": env.batch_invariant(),
         "rows": rows,
         "seconds": time.time() - t0,
     }
@@ -416,7 +417,9 @@ def markdown(result: Dict) -> str:
         f"{result['contract']} {result['dtype']}, {result['gpu']}, torch {result['torch']}, triton {result['triton']}; "
         f"us per layer (median of CUDA-graph replays), {result['layers_rotated']} layers of distinct weights rotated "
         f"(from M = {large['from_M']} on, {large['layers']}: every layer reads all of its experts there); grouped "
-        f"window {result['grouped_window'][0]}..{result['grouped_window'][1]}; vLLM's backends: "
+        f"window {result['grouped_window'][0]}..{result['grouped_window'][1]}"
+        + ("; batch-invariant mode (the prefill route, one config, at every M)" if result.get("batch_invariant") else "")
+        + "; vLLM's backends: "
         + ", ".join(f"{name} {status}" for name, status in result["anchors"].items()),
         "",
         "| M | plugin route | plugin | humming | marlin | speedup vs vLLM's faster | grouped | prefill | read floor "

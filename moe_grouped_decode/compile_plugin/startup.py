@@ -14,7 +14,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..contract import Admission, LayerShape, admits
-from ..env import GROUPED_DECODE_ENV, GroupedDecodeMode, gluon_w13_enabled, grouped_decode_mode, switch_setting
+from ..env import (GROUPED_DECODE_ENV, GroupedDecodeMode, batch_invariant, gluon_w13_enabled, grouped_decode_mode,
+                   switch_setting)
 from ..kernels import MIN_CUDA_CAPABILITY
 
 logger = logging.getLogger("moe_grouped_decode")
@@ -134,12 +135,14 @@ def summary() -> str:
             dense.append(name)
         else:
             vllm_own.append(name)
-    parts = [
-        f"{len(names)} MoE layer(s) admitted under contract {contract!r} (grouped route for "
-        f"{LAYER_DECISIONS[names[0]].admission.contract.min_tokens}..{LAYER_DECISIONS[names[0]].admission.contract.max_tokens} tokens): "
-        f"{_names(names)}"
-        for contract, names in by_contract.items()
-    ]
+    def routes(names) -> str:
+        if batch_invariant():
+            return "batch-invariant mode: the prefill route at every token count"
+        c = LAYER_DECISIONS[names[0]].admission.contract
+        return f"grouped route for {c.min_tokens}..{c.max_tokens} tokens"
+
+    parts = [f"{len(names)} MoE layer(s) admitted under contract {contract!r} ({routes(names)}): {_names(names)}"
+             for contract, names in by_contract.items()]
     if dense:
         parts.append(f"{len(dense)} served dense by the plugin (vLLM has no backend here): {_names(dense)}")
     if vllm_own:

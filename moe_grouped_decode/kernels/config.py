@@ -147,6 +147,12 @@ class PrefillConfig:
         return self.block_rows if self.kernel == "dot" else 8 * self.token_blocks
 
 
+# Batch-invariant mode's one prefill config at every M: the mma kernels over 8-row groups, where
+# each token is its own mma B column and the K split's sums are one fixed tree, so its bits
+# depend on nothing else in the call; the fastest config below ~1000 tokens, where decode runs.
+BATCH_INVARIANT_PREFILL = PrefillConfig(token_blocks=1, w13_warps=4, w2_warps=4)
+
+
 def prefill_candidates() -> Tuple[PrefillConfig, ...]:
     """The prefill route's search space (``bench --prefill-sweep``'s default, the generator of the
     prefill tables): the mma kernels over 8- and 16-row groups; the dot kernels over 32-, 64- and

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..awq import PACK_FACTOR, AwqMoeWeights
+from ..env import batch_invariant
 from .reference import Segments
 from .workspace import workspace_numel, workspace_views
 
@@ -267,6 +268,22 @@ def _expert_rows_forward(x_rows: torch.Tensor, expert: int, weights: AwqMoeWeigh
     return act, act @ w2
 
 
+INVARIANT_BLOCK_ROWS = 8
+
+
+def _expert_rows_in_blocks(x_rows: torch.Tensor, expert: int, weights: AwqMoeWeights):
+    """``_expert_rows_forward`` in zero-padded blocks of INVARIANT_BLOCK_ROWS rows: every matmul
+    has one shape, so a row's bits do not depend on how many rows share its expert (the CPU
+    GEMM picks its kernel, and so its summation order, by shape)."""
+    rows = x_rows.shape[0]
+    padded = -(-rows // INVARIANT_BLOCK_ROWS) * INVARIANT_BLOCK_ROWS
+    block = x_rows.new_zeros(padded, x_rows.shape[1])
+    block[:rows] = x_rows
+    parts = [_expert_rows_forward(block[i:i + INVARIANT_BLOCK_ROWS], expert, weights)
+             for i in range(0, padded, INVARIANT_BLOCK_ROWS)]
+    return tuple(torch.cat(p)[:rows] for p in zip(*parts))
+
+
 def _combine(row_outputs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_j w[t, j] * row_out[t*k + j], summed in j order in row_outputs' dtype."""
     M, k = topk_weights.shape
@@ -329,11 +346,15 @@ def awq_moe_dense(
     row_outputs = torch.zeros(M * k, K, dtype=torch.float32)
     # dense metadata: a row count for every one of the E experts, walked in order
     counts = torch.bincount(flat_ids, minlength=weights.num_experts).tolist()
+    invariant = batch_invariant()
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         rows = (flat_ids == expert).nonzero(as_tuple=True)[0]
-        _, row_outputs[rows] = _expert_rows_forward(x[rows // k], expert, weights)
+        if invariant:
+            _, row_outputs[rows] = _expert_rows_in_blocks(x[rows // k], expert, weights)
+        else:
+            _, row_outputs[rows] = _expert_rows_forward(x[rows // k], expert, weights)
     return _finish(_combine(row_outputs, topk_weights), hidden_states, topk_weights, topk_ids, weights)
 
 

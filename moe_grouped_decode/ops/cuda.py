@@ -63,10 +63,13 @@ def _awq_moe_grouped_decode_cuda(hidden_states, topk_weights, topk_ids, *weight_
 
 
 def prefill_plan_for(hidden_states, topk_ids, weights: AwqMoeWeights, config=None) -> plan.PrefillPlan:
-    """The launch plan of one prefill-route call: ``config``, or the one the op runs."""
+    """The launch plan of one prefill-route call: ``config``, or the one the op runs (in
+    batch-invariant mode one config at every M)."""
     M, K = hidden_states.shape
     shape = layer_shape(hidden_states, topk_ids, weights)
     E, k, _, N, G = shape
+    if config is None and env.batch_invariant():
+        config = kernel_config.BATCH_INVARIANT_PREFILL
     config = config or kernel_config.prefill_config(shape, device_name(hidden_states.device),
                                                     plan.DTYPE_NAMES[hidden_states.dtype], M)
     return plan.prefill_plan(M, k, E, K, N, G, hidden_states.dtype, cuda_capability(hidden_states.device), config)
