@@ -297,10 +297,11 @@ def prefill_step_summary(rows: List[dict], prompt_tokens: int, top: int = 8) -> 
         for name, us in r["kernels"].items():
             totals[name] = totals.get(name, 0.0) + us
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    with_device = [r for r in steps if r["span_us"] is not None]  # none in a CPU trace
     return {
         "prompt_tokens": prompt_tokens, "prefill_steps": len(steps), "prefill_tokens": tokens,
-        "gpu_kernel_ms": _ms(sum(r["kernel_us"] for r in steps)) if steps else None,
-        "gpu_span_ms": _ms(sum(r["span_us"] or 0.0 for r in steps)) if steps else None,
+        "gpu_kernel_ms": _ms(sum(r["kernel_us"] for r in with_device)) if with_device else None,
+        "gpu_span_ms": _ms(sum(r["span_us"] for r in with_device)) if with_device else None,
         "top_kernels": [[name, round(us, 2)] for name, us in ranked],
     }
 

@@ -207,8 +207,11 @@ def apply_route_table(gpu_name: Optional[str], table: Optional[dict] = None) -> 
 
 
 def contracts_fingerprint() -> str:
-    """Stable digest of the registered contract set (feeds compile-cache keys)."""
-    text = repr(sorted((repr(c) for c in _REGISTRY.values())))
+    """Stable digest of the registered contract set and of whether batch-invariant mode is on
+    (feeds compile-cache keys: a graph compiled for one must not replay under the other)."""
+    from .env import batch_invariant
+
+    text = repr((sorted(repr(c) for c in _REGISTRY.values()), batch_invariant()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -241,14 +244,15 @@ def admits(shape: LayerShape, num_tokens: Union[int, TokenRange, None] = None) -
 
     from .env import batch_invariant
 
-    if lo is not None and batch_invariant():
-        # one route at every M, or a token's bits would change where the routes meet
-        return Admission(None, "batch-invariant mode: the prefill route serves every token count")
     rejections = []
     for contract in _REGISTRY.values():
         mismatches = contract.shape_mismatches(shape)
         if mismatches:
             rejections.append(f"{contract.name}: {', '.join(mismatches)}")
+            continue
+        if lo is not None and batch_invariant():
+            # one route at every M, or a token's bits would change where the routes meet
+            rejections.append(f"{contract.name}: batch-invariant mode: the prefill route serves every token count")
             continue
         if lo is not None and not (contract.min_tokens <= lo and hi <= contract.max_tokens):
             tokens = f"M={lo}" if lo == hi else f"M in {lo}..{hi}"

@@ -207,6 +207,10 @@ def main() -> None:
         (8, 3, 128, 96, 32, 7, "random", torch.bfloat16,
          PrefillConfig(kernel="dot", block_rows=64, w13_block_n=64, w2_block_n=64, w13_stages=2), False),
         (16, 2, 128, 64, 64, 40, "random", torch.float16, PrefillConfig(kernel="dot", block_rows=32), True),
+        # W13 steps of two and four AWQ groups (the table's 64-row steps at G = 32), bf16 and fp16
+        (16, 2, 256, 64, 32, 40, "random", torch.bfloat16,
+         PrefillConfig(kernel="dot", block_rows=32, w13_block_n=64, w13_block_k=64), True),
+        (8, 3, 256, 96, 32, 20, "single_hot", torch.float16, PrefillConfig(kernel="dot", w13_block_k=128), False),
     ]
     for E, k, K, N, G, M, pattern, dtype, config, bad in prefill_cases:
         weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + M + 1)

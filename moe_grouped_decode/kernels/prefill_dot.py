@@ -33,9 +33,21 @@ from .awq_tiles import awq_column_shift, silu_mul
 STEP_ROWS = tl.constexpr(32)  # W2's reduction rows per step (N is a multiple of 32, not of 64)
 # Triton's interpreter gets bfloat16 arithmetic wrong (numpy has no bfloat16): there the dequantize
 # and tl.dot's operands go through float32, which gives the same bits (q - z has 5 bits, so its
-# product with a 16-bit scale is exact in float32 before the one rounding). Compiled kernels never
-# take that branch.
+# product with a 16-bit scale is exact in float32 before the one rounding, done by _round_to).
+# Compiled kernels never take that branch.
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """float32 ``x`` rounded to nearest-even in ``dtype``. The interpreter's own float32 -> bfloat16
+    conversion truncates, so bfloat16 rounds here in integers (finite values: the products of a
+    nibble difference and a scale); float16 converts through numpy, which rounds."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -86,7 +98,7 @@ def _awq_step(qweight_ptr, scales_ptr, qzeros_ptr, k0, words, cols, word_ok, col
     q = (packed >> shifts[None, None, :]) & 0xF
     z = (zero_words >> shifts[None, :]) & 0xF
     if _INTERPRETED:  # the same correctly rounded product, through float32
-        w = ((q - z[:, None, :]).to(tl.float32) * scales[:, None, :].to(tl.float32)).to(scales.dtype)
+        w = _round_to(((q - z[:, None, :]).to(tl.float32) * scales[:, None, :].to(tl.float32)), scales.dtype)
     else:
         # nibble | magic is the 16-bit float magic + nibble (fp16 1024, bf16 128: both hold it
         # exactly), so one subtract gives q - z exactly, with no integer-to-float conversion

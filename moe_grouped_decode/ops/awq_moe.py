@@ -262,6 +262,10 @@ def _expert_rows_forward(x_rows: torch.Tensor, expert: int, weights: AwqMoeWeigh
     """Rows [r, K] through one expert -> (activations [r, N], outputs [r, K]), in x_rows' dtype
     (float32; float64 for the overflow recompute)."""
     w13, w2 = (w.to(x_rows.dtype) for w in weights.dequantized_expert(expert))
+    return _rows_through(x_rows, w13, w2)
+
+
+def _rows_through(x_rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
     n = w2.shape[0]
     gate_up = x_rows @ w13
     act = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
@@ -279,8 +283,8 @@ def _expert_rows_in_blocks(x_rows: torch.Tensor, expert: int, weights: AwqMoeWei
     padded = -(-rows // INVARIANT_BLOCK_ROWS) * INVARIANT_BLOCK_ROWS
     block = x_rows.new_zeros(padded, x_rows.shape[1])
     block[:rows] = x_rows
-    parts = [_expert_rows_forward(block[i:i + INVARIANT_BLOCK_ROWS], expert, weights)
-             for i in range(0, padded, INVARIANT_BLOCK_ROWS)]
+    w13, w2 = (w.to(x_rows.dtype) for w in weights.dequantized_expert(expert))
+    parts = [_rows_through(block[i:i + INVARIANT_BLOCK_ROWS], w13, w2) for i in range(0, padded, INVARIANT_BLOCK_ROWS)]
     return tuple(torch.cat(p)[:rows] for p in zip(*parts))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..awq import AwqMoeWeights
+from ..env import batch_invariant
 from .awq_moe import LIBRARY, _fail, check_moe_args
 from .workspace import workspace_numel
 
@@ -63,7 +64,8 @@ def awq_moe_routed(
     """Grouped route when M lies in [grouped_min_tokens, grouped_max_tokens], dense otherwise."""
     weights = AwqMoeWeights(w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size)
     check_routed_args(hidden_states, topk_weights, topk_ids, weights, workspace, grouped_min_tokens, grouped_max_tokens)
-    if grouped_min_tokens <= hidden_states.shape[0] <= grouped_max_tokens:
+    # the mode is asked here too: a graph may carry this op from before the mode was switched on
+    if grouped_min_tokens <= hidden_states.shape[0] <= grouped_max_tokens and not batch_invariant():
         return torch.ops.moe_grouped_decode.awq_moe_grouped_decode(
             hidden_states, topk_weights, topk_ids, *weights.op_args(), workspace)
     return torch.ops.moe_grouped_decode.awq_moe_dense(hidden_states, topk_weights, topk_ids, *weights.op_args())
