@@ -443,34 +443,36 @@ def run_arm(args, arm: str) -> int:
         progress(arm, f"agreement: {len(outputs)} sequences of {args.agree_tokens} greedy tokens recorded "
                       f"(batches of {args.agree_batch})")
 
+    started = []
+
+    def profiled(run) -> Tuple[List[dict], int]:
+        """The trace events (and trace files) of ``run()`` under vLLM's torch profiler."""
+        before = trace_files(profile_dir)
+        if started:
+            llm.start_profile()
+        else:
+            llm.start_profile(profile_prefix=f"e2e_{arm}")  # vLLM keeps the first start's name
+            started.append(True)
+        run()
+        llm.stop_profile()
+        new = sorted(trace_files(profile_dir) - before)
+        events = [e for p in new for e in load_trace(p)]
+        for p in new:
+            p.unlink()
+        return events, len(new)
+
     def profile():
         cells = result["profile"] = []
         for c in args.profile_concurrency:
-            before = trace_files(profile_dir)
-            if cells:
-                llm.start_profile()
-            else:
-                llm.start_profile(profile_prefix=f"e2e_{arm}")  # vLLM keeps the first start's name
-            generate(token_prompts(c, args.decode_prompt, vocab, seed=40_000 + c), greedy(args.profile_tokens))
-            llm.stop_profile()
-            new = sorted(trace_files(profile_dir) - before)
-            events = [e for p in new for e in load_trace(p)]
-            for p in new:
-                p.unlink()
+            events, files = profiled(lambda: generate(token_prompts(c, args.decode_prompt, vocab, seed=40_000 + c),
+                                                      greedy(args.profile_tokens)))
             summary = step_summary(decode_steps(events), c)
-            cells.append({"concurrency": c, "trace_files": len(new), **summary})
+            cells.append({"concurrency": c, "trace_files": files, **summary})
             progress(arm, f"profile C={c}: {summary['decode_steps']} decode steps, GPU {summary['gpu_kernel_ms']} ms "
                           f"(span {summary['gpu_span_ms']} ms) per step, host step period {summary['host_period_ms']} ms")
         prefills = result["profile_prefill"] = []
         for length in args.ttft_prompts:
-            before = trace_files(profile_dir)
-            llm.start_profile()
-            generate(token_prompts(1, length, vocab, seed=50_000 + length), greedy(1))
-            llm.stop_profile()
-            new = sorted(trace_files(profile_dir) - before)
-            events = [e for p in new for e in load_trace(p)]
-            for p in new:
-                p.unlink()
+            events, _ = profiled(lambda: generate(token_prompts(1, length, vocab, seed=50_000 + length), greedy(1)))
             summary = prefill_step_summary(decode_steps(events), length)
             prefills.append(summary)
             progress(arm, f"profile prefill {length} tokens: {summary['prefill_steps']} step(s), GPU "
