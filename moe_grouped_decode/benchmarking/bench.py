@@ -301,15 +301,27 @@ def parse_prefill_configs(text: str):
     return [parse(item) for item in text.split(";") if item]
 
 
+def _prefill_prefix_us(plan, end: int, inputs, layers, scratch, outs, count: int, reps: int) -> float:
+    """us per layer of the first ``end`` launches of a prefill ``plan`` over ``count`` layers
+    (``inputs``: random_layer_inputs' ids, weights and activations; ``outs`` one per layer)."""
+    from ..kernels import plan as launch_plan
+
+    ids, tws, xs = inputs
+    prefix = dataclasses.replace(plan, launches=plan.launches[:end])
+
+    def step(layer):
+        launch_plan.launch_prefill(prefix, xs[layer], tws[layer], ids[layer], layers[layer], scratch, outs[layer])
+
+    return graph_replay_us(step, count, reps)
+
+
 def _prefill_sweep(args, layers, gen) -> List[Dict]:
     """The prefill route at each of ``--prefill-sweep``'s token counts under each of
     ``--prefill-configs`` (``--large-layers`` layers; the tests cover every config's numerics):
     the whole route, and its launches up to and including W13 (``through_w13_us``: the sort and
     W13), so W13 and W2 variants can be told apart in one sweep."""
-    from ..kernels import plan as launch_plan
-    from ..ops import prefill_plan_for
-
     from ..kernels.config import prefill_candidates
+    from ..ops import prefill_plan_for
 
     configs = (list(prefill_candidates()) if args.prefill_configs == "candidates"
                else parse_prefill_configs(args.prefill_configs))
@@ -329,12 +341,8 @@ def _prefill_sweep(args, layers, gen) -> List[Dict]:
             through_w13 = 1 + max(i for i, launch in enumerate(plan.launches) if launch.stage == "w13")
             row = {"M": M, **dataclasses.asdict(config)}
             for name, end in (("through_w13_us", through_w13), ("us", len(plan.launches))):
-                def step(layer, end=end, plan=plan, scratch=scratch):
-                    launch_plan.launch_prefill(dataclasses.replace(plan, launches=plan.launches[:end]), xs[layer],
-                                               tws[layer], ids[layer], layers[layer], scratch, outs[layer])
-
                 outs[0].fill_(float("nan"))
-                row[name] = graph_replay_us(step, count, args.reps)
+                row[name] = _prefill_prefix_us(plan, end, (ids, tws, xs), layers, scratch, outs, count, args.reps)
             row["scaled_diff_vs_prefill"] = ((outs[0].float() - want).abs().max() / want.abs().max()).item()
             rows.append(row)
         for row in sorted(rows, key=lambda r: r["us"]):
@@ -350,7 +358,6 @@ def _prefill_breakdown(args, layers, gen) -> List[Dict]:
     """The prefill route's stages at each of ``--prefill-breakdown``'s token counts: the plan's
     launches run up to and including each stage (the sort's four, W13, W2, the combine), same
     method; a stage's time is the difference to the run before it."""
-    from ..kernels import plan as launch_plan
     from ..ops import prefill_plan_for
 
     c = QWEN38_TP4
@@ -367,11 +374,7 @@ def _prefill_breakdown(args, layers, gen) -> List[Dict]:
                       if i + 1 == len(plan.launches) or plan.launches[i + 1].stage != launch.stage]
         row, before = {"M": M, "config": dataclasses.asdict(plan.config)}, 0.0
         for end in stage_ends:
-            def step(layer, end=end):
-                launch_plan.launch_prefill(dataclasses.replace(plan, launches=plan.launches[:end]), xs[layer],
-                                           tws[layer], ids[layer], layers[layer], scratch, out)
-
-            us = graph_replay_us(step, count, args.reps)
+            us = _prefill_prefix_us(plan, end, (ids, tws, xs), layers, scratch, [out] * count, count, args.reps)
             row[plan.launches[end - 1].stage] = us - before
             before = us
         row["all"] = before

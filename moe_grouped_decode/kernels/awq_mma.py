@@ -41,14 +41,12 @@ them to one half). Under ``TRITON_INTERPRET=1`` (no PTX) ``awq_mma_chunk`` compu
 same lane layout with plain tensor ops, so CPU CI checks every index.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
-from .awq_tiles import awq_column_shift
+from .awq_tiles import INTERPRETED, awq_column_shift
 
-_INLINE_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+_INLINE_PTX = tl.constexpr(not INTERPRETED.value)
 
 CHUNK_ROWS = tl.constexpr(32)  # reduction rows per awq_mma_chunk call (two m16n8k16 blocks)
 TILE_WORDS = tl.constexpr(8)  # packed int32 columns per warp (one per lane group g): 64 output columns

@@ -23,19 +23,16 @@ on the other rows of its group.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from .awq_tiles import awq_column_shift, silu_mul
+from .awq_tiles import INTERPRETED, awq_column_shift, silu_mul
 
 STEP_ROWS = tl.constexpr(32)  # W2's reduction rows per step (N is a multiple of 32, not of 64)
 # Triton's interpreter gets bfloat16 arithmetic wrong (numpy has no bfloat16): there the dequantize
 # and tl.dot's operands go through float32, which gives the same bits (q - z has 5 bits, so its
 # product with a 16-bit scale is exact in float32 before the one rounding, done by _round_to).
 # Compiled kernels never take that branch.
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -52,7 +49,7 @@ def _round_to(x, dtype: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, acc):
-    if _INTERPRETED:
+    if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc)
 
@@ -97,7 +94,7 @@ def _awq_step(qweight_ptr, scales_ptr, qzeros_ptr, k0, words, cols, word_ok, col
     zero_words = tl.interleave(zero_words, zero_words)
     q = (packed >> shifts[None, None, :]) & 0xF
     z = (zero_words >> shifts[None, :]) & 0xF
-    if _INTERPRETED:  # the same correctly rounded product, through float32
+    if INTERPRETED:  # the same correctly rounded product, through float32
         w = _round_to(((q - z[:, None, :]).to(tl.float32) * scales[:, None, :].to(tl.float32)), scales.dtype)
     else:
         # nibble | magic is the 16-bit float magic + nibble (fp16 1024, bf16 128: both hold it
