@@ -201,7 +201,7 @@ def launched_kernels(dtype, M, timeline=False, changes=None):
     K, N, k = c.hidden_size, c.intermediate_size, c.top_k
     plan = table_plan(dtype, M, timeline, changes)
     config = plan.config
-    ints = dict(x_stride=K, out_stride=K, rows=M * k, num_arrivals=plan.num_arrivals)
+    ints = dict(x_stride=K, out_stride=K, rows=M * k, num_arrivals=plan.num_arrivals, num_experts=c.num_experts)
     tl_plan = table_plan(dtype, M, timeline, dict(changes or {}, w13_kernel="tl", w2_kernel="tl"))
     for launch in plan.launches:
         if launch.stage == "w13":

@@ -175,6 +175,25 @@ def main() -> None:
             print(f"FAIL {name}: last token differs when run alone", flush=True)
             sys.exit(1)
 
+    # routed ids outside [0, E) (-1 as under expert parallelism, E, a huge id) contribute nothing
+    # on the grouped route: read expert 0, never out of bounds, their rows' outputs zero
+    for config in (base, dataclasses.replace(base, fused_combine=False)):
+        E, k, K, N, G, M = 8, 3, 64, 32, 32, 4
+        weights = synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=77)
+        x = torch.randn(M, K, generator=gen).to(torch.float16)
+        tw = torch.rand(M, k, generator=gen)
+        ids = routing("random", M, k, E, gen)
+        ids[0, 0], ids[1, 2], ids[3, 1] = -1, E, 2 ** 30
+        ref_tw = tw.clone()
+        ref_tw[0, 0] = ref_tw[1, 2] = ref_tw[3, 1] = 0.0
+        name = f"grouped bad ids E={E} M={M} {config}"
+        out, views = run_grouped(weights, x, tw, ids, config)
+        check(name, out, reference_moe(x, ref_tw, ids.clamp(0, E - 1), weights), torch.float16)
+        rows_out = views.row_outputs[: M * k].view(M, k, K)
+        if not (rows_out[0, 0] == 0).all() or not (rows_out[1, 2] == 0).all() or not (rows_out[3, 1] == 0).all():
+            print(f"FAIL {name}: an out-of-range id's row output is not zero", flush=True)
+            sys.exit(1)
+
     # the benchmark's two-launch read floor sorts with this compaction kernel: one padded sort at
     # R = 10 and R = 135
     for M, k, E in ((5, 2, 8), (45, 3, 16)):

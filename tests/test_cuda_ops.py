@@ -472,3 +472,39 @@ def test_largest_carveout_has_binaries_of_its_own_and_changes_no_bits(layer, wor
                      x, tw, ids, cpu_weights)
     assert len(functions[True]) == len(functions[False]) == 2 and functions[True].isdisjoint(functions[False])
     assert torch.equal(bits[True], bits[False])
+
+
+@pytest.mark.parametrize("bad", [-1, E, 2**30], ids=["minus1", "E", "huge"])
+@pytest.mark.parametrize("gluon", ["1", "0"], ids=["gluon", "tl"])
+@pytest.mark.parametrize("M", [1, 8, 64])
+def test_grouped_ids_outside_the_experts_contribute_nothing(layer, workspace, monkeypatch, bad, gluon, M):
+    """vLLM marks an expert not on this rank with -1 (expert parallelism): such a slot, or any id
+    outside [0, E), adds nothing to its token and reads nothing out of bounds (the context
+    survives: the synchronize below would raise), on both kernel families, eager and replayed."""
+    monkeypatch.setenv(GLUON_W13_ENV, gluon)
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(19 + M)
+    x = activations(M, weights.dtype, gen)
+    ids, tw = routing("random", M, gen)
+    ids[::2, 3] = bad
+    out = run_grouped(x, tw, ids, weights, workspace)
+    torch.cuda.synchronize()
+    ref_tw = tw.clone()
+    ref_tw[::2, 3] = 0.0
+    assert_close(f"grouped {weights.dtype} M={M} ids {bad} gluon={gluon}", out, x, ref_tw, ids.clamp(0, E - 1),
+                 cpu_weights)
+    graph_out = torch.empty_like(out)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grouped_op(x, tw, ids, *weights.op_args(), workspace)  # warm the allocator on this stream
+        with torch.cuda.graph(graph, stream=stream):
+            graph_out.copy_(grouped_op(x, tw, ids, *weights.op_args(), workspace))
+    torch.cuda.current_stream().wait_stream(stream)
+    ids[1::2, 0] = bad  # new routing, replayed: more slots outside
+    ref_tw[1::2, 0] = 0.0
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(f"grouped replay {weights.dtype} M={M} ids {bad} gluon={gluon}", graph_out, x, ref_tw,
+                 ids.clamp(0, E - 1), cpu_weights)

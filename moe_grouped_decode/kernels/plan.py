@@ -61,17 +61,17 @@ ARGUMENT_TYPES = {
     "w13_qweight": "*i32", "w13_scales": "act", "w13_qzeros": "*i32",
     "w2_qweight": "*i32", "w2_scales": "act", "w2_qzeros": "*i32",
     "partials": "*fp32", "activations": "*fp32", "row_outputs": "*fp32", "arrivals": "*i32",
-    "rows": "i32", "num_arrivals": "i32", "w13_stamps": "*i64", "w2_stamps": "*i64",
+    "rows": "i32", "num_arrivals": "i32", "num_experts": "i32", "w13_stamps": "*i64", "w2_stamps": "*i64",
     # the prefill route's scratch (PREFILL_REGIONS) and sizes
     "ranks": "*i32", "block_counts": "*i32", "expert_totals": "*i32", "expert_offsets": "*i32", "group_first": "*i32",
     "group_expert": "*i32", "group_start": "*i32", "group_count": "*i32", "num_groups": "*i32", "sorted_rows": "*i32",
     "act16": "act", "row_out16": "act", "num_blocks": "i32", "max_groups": "i32",
 }
-W13_ARGS = ("x", "x_stride", "topk_ids", "w13_qweight", "w13_scales", "w13_qzeros", "partials", "rows",
+W13_ARGS = ("x", "x_stride", "topk_ids", "num_experts", "w13_qweight", "w13_scales", "w13_qzeros", "partials", "rows",
             "arrivals", "num_arrivals", "w13_stamps")
-W2_TL_ARGS = ("topk_ids", "partials", "w2_qweight", "w2_scales", "w2_qzeros", "activations", "row_outputs", "rows",
+W2_TL_ARGS = ("topk_ids", "num_experts", "partials", "w2_qweight", "w2_scales", "w2_qzeros", "activations", "row_outputs", "rows",
               "topk_weights", "out", "out_stride", "arrivals", "w2_stamps")
-W2_GLUON_ARGS = ("topk_ids", "partials", "w2_qweight", "w2_scales", "w2_qzeros", "row_outputs", "rows",
+W2_GLUON_ARGS = ("topk_ids", "num_experts", "partials", "w2_qweight", "w2_scales", "w2_qzeros", "row_outputs", "rows",
                  "topk_weights", "out", "out_stride", "arrivals", "w2_stamps")
 COMBINE_ARGS = ("row_outputs", "topk_weights", "out", "out_stride")
 
@@ -274,6 +274,7 @@ def launch_plan(plan: GroupedPlan, hidden_states, topk_weights, topk_ids, weight
         "w2_qweight": weights.w2_qweight, "w2_scales": weights.w2_scales, "w2_qzeros": weights.w2_qzeros,
         "partials": scratch.gate_up_partials, "activations": scratch.activations, "row_outputs": scratch.row_outputs,
         "arrivals": scratch.combine_arrivals, "rows": plan.rows, "num_arrivals": plan.num_arrivals,
+        "num_experts": weights.num_experts,
         "w13_stamps": (stamps or {}).get("w13_stamps") if plan.timeline else None,
         "w2_stamps": (stamps or {}).get("w2_stamps") if plan.timeline else None,
     }

@@ -32,7 +32,7 @@ if AVAILABLE:
     from .gluon_helpers import async_copy, let_next_launch_start, now, sm_id
 
     def _w13_gluon(
-        x_ptr, stride_xm, ids_ptr, qweight_ptr, scales_ptr, qzeros_ptr, partials_ptr, rows, arrivals_ptr,
+        x_ptr, stride_xm, ids_ptr, num_experts, qweight_ptr, scales_ptr, qzeros_ptr, partials_ptr, rows, arrivals_ptr,
         num_arrivals, timeline_ptr,
         TOP_K: gl.constexpr, K: gl.constexpr, TWO_N: gl.constexpr, G: gl.constexpr, CHUNKS: gl.constexpr,
         CHUNKS_PAD: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr, ARRIVALS_PAD: gl.constexpr,
@@ -61,7 +61,9 @@ if AVAILABLE:
         tile = work % TILES
         split = (work // TILES) % SPLITS
         row = work // (TILES * SPLITS)
-        expert = gl.load(ids_ptr + row).to(gl.int64)
+        expert = gl.load(ids_ptr + row)
+        # an id outside [0, E) reads expert 0 (never out of bounds); W2 zeroes that row's output
+        expert = gl.where((expert >= 0) & (expert < num_experts), expert, 0).to(gl.int64)
         token = (row // TOP_K).to(gl.int64)
         k_first = split * SPLIT_ROWS
 

@@ -29,7 +29,7 @@ from .timeline import W13_SM_SLOT, W13_STAMP_COUNT, now, sm_id
 
 def _w13_tl(
     x_ptr, stride_xm,
-    ids_ptr,
+    ids_ptr, num_experts,
     qweight_ptr, scales_ptr, qzeros_ptr,
     partials_ptr,
     rows,
@@ -59,7 +59,9 @@ def _w13_tl(
     tile = work % TILES
     split = (work // TILES) % SPLITS
     row = work // (TILES * SPLITS)
-    expert = tl.load(ids_ptr + row).to(tl.int64)
+    expert = tl.load(ids_ptr + row)
+    # an id outside [0, E) reads expert 0 (never out of bounds); W2 zeroes that row's output
+    expert = tl.where((expert >= 0) & (expert < num_experts), expert, 0).to(tl.int64)
     token = (row // TOP_K).to(tl.int64)
     warp, g, t, e = chunk_lanes(WARPS)
     word = tile * TILE_WORDS + g

@@ -35,7 +35,7 @@ if AVAILABLE:
     from .gluon_helpers import async_copy, now, sm_id, wait_for_previous_launch
 
     def _w2_gluon(
-        ids_ptr, partials_ptr, qweight_ptr, scales_ptr, qzeros_ptr, row_out_ptr, rows,
+        ids_ptr, num_experts, partials_ptr, qweight_ptr, scales_ptr, qzeros_ptr, row_out_ptr, rows,
         topk_weights_ptr, out_ptr, stride_om, arrivals_ptr, timeline_ptr,
         K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr, WARPS: gl.constexpr,
         CHUNKS_PAD: gl.constexpr, AHEAD: gl.constexpr, ACT_SPLIT: gl.constexpr, TOP_K: gl.constexpr,
@@ -54,7 +54,10 @@ if AVAILABLE:
         CHUNKS: gl.constexpr = N // 32
         gl.static_assert((AHEAD >= 1) and (AHEAD <= CHUNKS), "AHEAD: 1 to N / 32 chunks (the plan clamps it)")
         HALF: gl.constexpr = gl.bfloat16 if IS_BF16 else gl.float16
-        expert = gl.load(ids_ptr + row).to(gl.int64)
+        expert = gl.load(ids_ptr + row)
+        # an id outside [0, E): expert 0's weights are read (never out of bounds), the row's output is 0
+        valid = (expert >= 0) & (expert < num_experts)
+        expert = gl.where(valid, expert, 0).to(gl.int64)
         word0 = tile * (WARPS * 8)  # the program's first packed column; warp w has words word0 + 8 w + g
 
         # words: [chunk, warp, 32 rows (in w13_gluon's conflict-free order), 8 words], 16-byte copies
@@ -171,6 +174,8 @@ if AVAILABLE:
         # awq_mma.chunk_columns: element 4 j + c is column 2 j + c // 2 (d_lo, j = 0, 1; d_hi +4)
         cols = (word0 + fw * 8 + g) * 8 + 2 * (e // 4) + (e % 4) // 2 + t * 0
         keep = (t == 0) & (e % 2 == 0) & (g >= 0) & (fw >= 0)
+        acc_lo = gl.where(valid, acc_lo, 0.0)
+        acc_hi = gl.where(valid, acc_hi, 0.0)
         gl.store(row_out_ptr + row * K + cols, acc_lo, mask=keep)
         gl.store(row_out_ptr + row * K + cols + 4, acc_hi, mask=keep)
         if TIMELINE:

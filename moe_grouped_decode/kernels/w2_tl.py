@@ -47,7 +47,7 @@ def row_activations(partials_ptr, act_ptr, row, rows, N: tl.constexpr, SPLITS: t
 
 
 def _w2_tl(
-    ids_ptr,
+    ids_ptr, num_experts,
     partials_ptr,
     qweight_ptr, scales_ptr, qzeros_ptr,
     act_ptr, row_out_ptr,
@@ -72,7 +72,10 @@ def _w2_tl(
     PACKED_K: tl.constexpr = K // 8
     CHUNKS: tl.constexpr = N // CHUNK_ROWS
     HALF: tl.constexpr = tl.bfloat16 if IS_BF16 else tl.float16
-    expert = tl.load(ids_ptr + row).to(tl.int64)
+    expert = tl.load(ids_ptr + row)
+    # an id outside [0, E): expert 0's weights are read (never out of bounds), the row's output is 0
+    valid = (expert >= 0) & (expert < num_experts)
+    expert = tl.where(valid, expert, 0).to(tl.int64)
     warp, g, t, e = chunk_lanes(WARPS)
     word = (tile * WARPS + warp) * TILE_WORDS + g
     word_ok = word < PACKED_K
@@ -105,6 +108,8 @@ def _w2_tl(
         d_lo, d_hi = awq_mma_chunk(words, act_hi, act_lo, scales, zeros, IS_BF16, ACT_SPLIT, WARPS, RN_SCALE)
         acc_lo += d_lo
         acc_hi += d_hi
+    acc_lo = tl.where(valid, acc_lo, 0.0)
+    acc_hi = tl.where(valid, acc_hi, 0.0)
     cols = chunk_columns(word, e)
     keep = (t == 0) & (e % 2 == 0) & word_ok
     tl.store(row_out_ptr + row * K + cols, acc_lo, mask=keep)
