@@ -167,6 +167,9 @@ def compile_launch(launch, dtype: str, int_values: dict):
     for param, name in zip([p.name for p in launch.kernel.params if not p.is_constexpr], launch.args):
         if name.endswith("_stamps") and not dict(launch.constexprs).get("TIMELINE"):
             constexprs[param] = None
+        elif name in launch_plan.GROUP_ARGS and launch.stage == "w13" and not dict(launch.constexprs).get(
+                "OVER_GROUPS", True):
+            constexprs[param] = None  # the W13 per routed row takes no sort outputs
         elif types[name].startswith("*"):
             pointers[param] = types[name]
         else:
@@ -189,7 +192,7 @@ def table_plan(dtype, M, timeline=False, changes=None):
     family = "gluon" if launch_plan.gluon_runs(capability) else "tl"
     config = dataclasses.replace(kernel_config.grouped_config(shape, TABLE_GPU, family, dtype, M), **(changes or {}))
     return launch_plan.grouped_plan(M, c.top_k, K, c.intermediate_size, c.group_size, DTYPES[dtype],
-                                    capability, config.fitted(K), timeline=timeline)
+                                    capability, config.fitted(K), timeline=timeline, num_experts=c.num_experts)
 
 
 def launched_kernels(dtype, M, timeline=False, changes=None):

@@ -101,6 +101,17 @@ def run_grouped(weights, x, tw, ids, config: GroupedConfig):
     return out, views
 
 
+def check_over_groups(name: str, weights, x, tw, ids, config: GroupedConfig, out, views) -> None:
+    """Both GEMMs over the sort's groups give the per-row programs' bits: outputs and the row
+    outputs of ids in [0, E) (the others are in no group: left poison, and the combine skips them)."""
+    over, over_views = run_grouped(weights, x, tw, ids, dataclasses.replace(config, w13_over_groups=True))
+    valid = ((ids >= 0) & (ids < weights.num_experts)).flatten()
+    same = torch.equal(over, out) and torch.equal(over_views.row_outputs[valid], views.row_outputs[valid])
+    print(f"{'ok  ' if same else 'FAIL'} {name}: W13 over groups, the same bits", flush=True)
+    if not same:
+        sys.exit(1)
+
+
 def check_row_outputs(name: str, weights, x, ids, views, act_split: bool) -> None:
     """W2's float32 row outputs (before the combine) against float64, to a bound far tighter
     than the 16-bit outputs'. With ``act_split`` it fails if W2 drops the lo half of its activations (a 16-bit
@@ -159,6 +170,8 @@ def main() -> None:
         (8, 3, 64, 64, 32, 2, "random", torch.bfloat16, dataclasses.replace(base, w13_block_k=64, w2_act_split=True)),
         (8, 2, 96, 64, 32, 3, "round_robin", torch.float16, dataclasses.replace(base, w13_block_k=64, w2_warps=2,
                                                                                  w2_act_split=True)),
+        # 11 rows per expert: two groups of the sort per expert for the W13 over groups (below)
+        (8, 2, 64, 32, 32, 11, "single_hot", torch.bfloat16, base),
     ]
     for E, k, K, N, G, M, pattern, dtype, config in cases:
         weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + M)
@@ -174,6 +187,8 @@ def main() -> None:
         if not torch.equal(alone, out[-1:]):
             print(f"FAIL {name}: last token differs when run alone", flush=True)
             sys.exit(1)
+        if not config.w2_act_split:  # W2 over groups rounds its activations to one half
+            check_over_groups(name, weights, x, tw, ids, config, out, views)
 
     # routed ids outside [0, E) (-1 as under expert parallelism, E, a huge id) contribute nothing
     # on the grouped route: read expert 0, never out of bounds, their rows' outputs zero
@@ -193,6 +208,7 @@ def main() -> None:
         if not (rows_out[0, 0] == 0).all() or not (rows_out[1, 2] == 0).all() or not (rows_out[3, 1] == 0).all():
             print(f"FAIL {name}: an out-of-range id's row output is not zero", flush=True)
             sys.exit(1)
+        check_over_groups(name, weights, x, tw, ids, config, out, views)
 
     # the benchmark's two-launch read floor sorts with this compaction kernel: one padded sort at
     # R = 10 and R = 135

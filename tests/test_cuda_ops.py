@@ -508,3 +508,69 @@ def test_grouped_ids_outside_the_experts_contribute_nothing(layer, workspace, mo
     torch.cuda.synchronize()
     assert_close(f"grouped replay {weights.dtype} M={M} ids {bad} gluon={gluon}", graph_out, x, ref_tw,
                  ids.clamp(0, E - 1), cpu_weights)
+
+
+OVER_GROUPS_TOKENS = [16, 64, 512]  # 512: ~10 rows per expert, several groups per expert
+
+
+def skewed_routing(M: int, gen: torch.Generator):
+    """A few experts take most rows: each token's first 6 slots on 8 hot experts, the rest random."""
+    ids, tw = routing("random", M, gen)
+    hot = torch.randperm(E, generator=gen)[:8]
+    ids = ids.cpu()
+    for token in range(M):
+        picks = hot[torch.randperm(8, generator=gen)[:6]]
+        rest = [int(i) for i in ids[token] if int(i) not in set(picks.tolist())][: TOP_K - 6]
+        ids[token] = torch.tensor(picks.tolist() + rest, dtype=torch.int32)
+    return ids.cuda(), tw
+
+
+@pytest.fixture(scope="module")
+def large_workspace():
+    return alloc_workspace(max(OVER_GROUPS_TOKENS), TOP_K, K, N, "cuda")
+
+
+@pytest.mark.parametrize("pattern", ["random", "single_hot", "skewed"])
+@pytest.mark.parametrize("M", OVER_GROUPS_TOKENS)
+def test_grouped_over_the_sorts_groups_matches_reference(layer, large_workspace, M, pattern):
+    """Both GEMMs over the on-device sort's groups (w13_over_groups): against float64, bit-identical
+    on a rerun; and replayed from a CUDA graph with new routing and ids outside [0, E)."""
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(7 * M + len(pattern))
+    x = activations(M, weights.dtype, gen)
+    ids, tw = skewed_routing(M, gen) if pattern == "skewed" else routing(pattern, M, gen)
+    config = table_config(weights, M, w13_over_groups=True)
+    outs = []
+    for _ in range(2):
+        large_workspace.fill_(-1)
+        out = torch.full_like(x, float("nan"))
+        launched = launch_grouped(x, tw, ids, weights, large_workspace, out, config)
+        outs.append(out)
+    assert "ranks_kernel" in kernel_names(launched) and "w2_prefill_kernel" in kernel_names(launched)
+    assert torch.equal(outs[0], outs[1]), "a rerun changed the bits"
+    assert_close(f"over groups {weights.dtype} M={M} {pattern}", outs[0], x, tw, ids, cpu_weights)
+    if pattern != "random":
+        return
+    graph_out = torch.full_like(x, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launch_grouped(x, tw, ids, weights, large_workspace, graph_out, config)  # warm the allocator here
+        with torch.cuda.graph(graph, stream=stream):
+            launch_grouped(x, tw, ids, weights, large_workspace, graph_out, config)
+    torch.cuda.current_stream().wait_stream(stream)
+    for replay, bad in enumerate((None, -1, E, 2**30)):
+        new_ids, new_tw = skewed_routing(M, gen) if replay % 2 else routing("random", M, gen)
+        ref_tw = new_tw.clone()
+        if bad is not None:
+            new_ids[::3, 2] = bad
+            ref_tw[::3, 2] = 0.0
+        ids.copy_(new_ids)
+        tw.copy_(new_tw)
+        graph_out.fill_(float("nan"))
+        large_workspace.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(f"over groups replay {weights.dtype} M={M} ids {bad}", graph_out, x, ref_tw,
+                     ids.clamp(0, E - 1), cpu_weights)

@@ -275,7 +275,7 @@ def _breakdown(args, layers, workspace, gen) -> List[Dict]:
         out = torch.empty_like(xs[0])
         full = grouped_plan_for(xs[0], ids[0], layers[0])
         row = {"M": M, "config": dataclasses.asdict(full.config)}
-        launched = tuple(launch.stage for launch in full.launches)
+        launched = tuple(dict.fromkeys(launch.stage for launch in full.launches))
         for stages in (launched,) + tuple((stage,) for stage in launched):
             def step(layer, stages=stages):
                 launch_grouped(xs[layer], tws[layer], ids[layer], layers[layer], workspace, out, stages=stages)

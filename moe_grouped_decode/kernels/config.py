@@ -32,7 +32,11 @@ TABLE_DIR = Path(__file__).resolve().parent / "configs"
 
 # Part of the tuning cache's file name: a kernel change that moves the timings bumps it, so
 # configs tuned for older kernels are not read back.
-KERNELS_VERSION = "v13"
+KERNELS_VERSION = "v14"
+
+# The default config's W13 runs over the sort's groups from this many tokens (the table's entries
+# name their own): below it the sort's four launches cost more than the rows sharing experts save.
+OVER_GROUPS_FROM_TOKENS = 40
 
 # Most W13 K-splits the workspace's partials region holds (ops/workspace.py sizes it).
 MAX_SPLIT_K = 32
@@ -65,6 +69,12 @@ class GroupedConfig:
     # start beside W13's whatever registers the compiler gives either; False: the driver's choice
     # per kernel, which lets them only where W2 asks no larger carveout than W13
     max_shared_carveout: bool = False
+    # both GEMMs over the on-device sort's groups (up to 8 rows of one expert as the B operand's
+    # columns: each weight tile read once per group, not per row) instead of per routed row: the
+    # sort's four launches first, then W13 (this config's kernel and split), the activations, W2
+    # (prefill.py's, 4 warps) and the combine as launches of their own; the same bits. The W2
+    # fields above then go unused
+    w13_over_groups: bool = False
 
     def __post_init__(self) -> None:
         for field, value in (("w13_kernel", self.w13_kernel), ("w2_kernel", self.w2_kernel)):
@@ -75,6 +85,9 @@ class GroupedConfig:
                              f"w13_warps={self.w13_warps}, w13_ring_stages={self.w13_ring_stages}")
         if self.w2_kernel == "gluon" and not self.fused_combine:
             raise ValueError("the Gluon W2 fuses the combine: w2_kernel='gluon' needs fused_combine=True")
+        if self.w13_over_groups and self.w2_act_split:
+            raise ValueError("W2 over the sort's groups rounds its activations to one half: w13_over_groups=True "
+                             "needs w2_act_split=False")
         if self.w2_copy_ahead < 1:
             raise ValueError(f"w2_copy_ahead (the Gluon W2's chunks copied ahead of its mma) must be at least 1, "
                              f"got {self.w2_copy_ahead}")
@@ -318,7 +331,8 @@ def grouped_config(shape: Shape, gpu_name: str, kernels: str, dtype_name: str, n
     key = (tuple(shape), gpu_name, kernels, dtype_name, num_tokens)
     config = _tuned.get(key) or table_config(*key)
     if config is None:
-        config = GroupedConfig() if kernels == "gluon" else GroupedConfig().as_tl()
+        config = GroupedConfig(w13_over_groups=num_tokens >= OVER_GROUPS_FROM_TOKENS)
+        config = config if kernels == "gluon" else config.as_tl()
     return config.fitted(shape[2])
 
 

@@ -51,7 +51,7 @@ from .config import GroupedConfig, PrefillConfig, grouped_config
 from .pdl import pdl_supported
 from .timeline import W2_STAMPS, W13_STAMPS
 
-STAGES = ("w13", "w2", "combine")
+STAGES = ("sort", "w13", "w2", "combine")  # "sort": only a config with w13_over_groups sorts
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 # The runtime arguments a launch names (``Launch.args``), with their Triton types: "act" is the
@@ -67,8 +67,10 @@ ARGUMENT_TYPES = {
     "group_expert": "*i32", "group_start": "*i32", "group_count": "*i32", "num_groups": "*i32", "sorted_rows": "*i32",
     "act16": "act", "row_out16": "act", "num_blocks": "i32", "max_groups": "i32",
 }
+# the sort's outputs the W13 programs over groups read (None, a constexpr, in a plan without them)
+GROUP_ARGS = ("sorted_rows", "group_expert", "group_start", "group_count", "num_groups")
 W13_ARGS = ("x", "x_stride", "topk_ids", "num_experts", "w13_qweight", "w13_scales", "w13_qzeros", "partials", "rows",
-            "arrivals", "num_arrivals", "w13_stamps")
+            "arrivals", "num_arrivals", "w13_stamps") + GROUP_ARGS
 W2_TL_ARGS = ("topk_ids", "num_experts", "partials", "w2_qweight", "w2_scales", "w2_qzeros", "activations", "row_outputs", "rows",
               "topk_weights", "out", "out_stride", "arrivals", "w2_stamps")
 W2_GLUON_ARGS = ("topk_ids", "num_experts", "partials", "w2_qweight", "w2_scales", "w2_qzeros", "row_outputs", "rows",
@@ -123,6 +125,10 @@ class GroupedPlan(CallShape):
     timeline: bool
     launches: Tuple[Launch, ...]
     num_arrivals: int  # combine counters the W2 launch uses (0 without the fused combine)
+    # the sort's scratch, for a config with w13_over_groups (else empty): regions as PrefillPlan's
+    sort_regions: Tuple[Tuple[str, int, Tuple[int, ...], bool], ...] = ()
+    sort_numel: int = 0
+    max_groups: int = 0
 
     def launch_for(self, stage: str) -> Optional[Launch]:
         return next((launch for launch in self.launches if launch.stage == stage), None)
@@ -174,17 +180,25 @@ def _items(mapping: dict) -> Tuple[Tuple[str, Any], ...]:
 
 def grouped_plan(num_tokens: int, top_k: int, hidden_size: int, intermediate_size: int, group_size: int,
                  dtype: torch.dtype, capability: Tuple[int, int], config: GroupedConfig,
-                 stages: Sequence[str] = STAGES, timeline: bool = False, w2_rn_scale: bool = False) -> GroupedPlan:
+                 stages: Sequence[str] = STAGES, timeline: bool = False, w2_rn_scale: bool = False,
+                 num_experts: int = 0) -> GroupedPlan:
     """The plan of one grouped call (cached). ``config`` must be ``fitted`` to K; ``capability``
-    is (0, 0) under the interpreter."""
+    is (0, 0) under the interpreter; ``num_experts`` (E) sizes the sort of a config with
+    ``w13_over_groups``."""
     return _grouped_plan(num_tokens, top_k, hidden_size, intermediate_size, group_size, dtype, tuple(capability),
-                         config, tuple(stages), timeline, w2_rn_scale, gluon_runs(tuple(capability)))
+                         config, tuple(stages), timeline, w2_rn_scale, gluon_runs(tuple(capability)), num_experts)
 
 
 @functools.lru_cache(maxsize=1024)
 def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, stages, timeline, w2_rn_scale,
-                  gluon: bool) -> GroupedPlan:
+                  gluon: bool, E: int) -> GroupedPlan:
     _check_capability("grouped_decode", capability)
+    if config.w13_over_groups and timeline:
+        raise ValueError("grouped_decode: the timeline stamps the per-row kernels; a config with w13_over_groups "
+                         "has none")
+    if config.w13_over_groups and E < 1:
+        raise ValueError("grouped_decode: a config with w13_over_groups needs the expert count (num_experts) to "
+                         "size its sort")
     if G % CHUNK_ROWS.value or N % CHUNK_ROWS.value:
         raise ValueError(f"grouped_decode: group size {G} and intermediate size {N} must be multiples of "
                          f"{CHUNK_ROWS.value} (the tensor-core chunk)")
@@ -208,10 +222,18 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
                    and (K // 8) % (TILE_WORDS.value * config.w2_warps) == 0)
     pdl_options = {"launch_pdl": True} if use_pdl else {}
     launches = []
+    sort_regions, sort_numel, groups = (), 0, 0
+    if config.w13_over_groups:
+        sort_launches, sort_regions, sort_numel, groups = _sort_stage(M, top_k, E, GROUP_ROWS)
+        if "sort" in stages:
+            launches.extend(sort_launches)
+        num_arrivals = arrivals_pad = 0
     if "w13" in stages:
-        grid = (1 + rows * splits * (2 * N // 8 // TILE_WORDS.value),)
+        programs = groups if config.w13_over_groups else rows
+        grid = (1 + programs * splits * (2 * N // 8 // TILE_WORDS.value),)
         common = dict(TOP_K=top_k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, SPLITS=splits,
-                      ARRIVALS_PAD=arrivals_pad, IS_BF16=is_bf16, USE_PDL=use_pdl, TIMELINE=timeline)
+                      ARRIVALS_PAD=arrivals_pad, IS_BF16=is_bf16, USE_PDL=use_pdl, TIMELINE=timeline,
+                      OVER_GROUPS=config.w13_over_groups)
         if w13_on_gluon:
             kernel = w13_gluon.w13_gluon_kernel_max_carveout if carveout else w13_gluon.w13_gluon_kernel
             launches.append(Launch("w13_gluon", "w13", kernel, grid, W13_ARGS, _items(dict(
@@ -221,6 +243,23 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
             kernel = w13_tl.w13_tl_kernel_max_carveout if carveout else w13_tl.w13_tl_kernel
             launches.append(Launch("w13_tl", "w13", kernel, grid, W13_ARGS, _items(dict(common, WARPS=config.w13_warps)),
                                    _items({"num_warps": config.w13_warps}), carveout))
+    if config.w13_over_groups:
+        # the groups' activations once per row, then W2 and the combine over the same groups
+        if "w2" in stages:
+            launches.append(Launch("activations", "w2", w2_tl.activations_kernel, (rows,),
+                                   ("partials", "act16", "rows"),
+                                   _items(dict(N=N, SPLITS=splits, N_PAD=_next_pow2(N))), _items({"num_warps": 2}),
+                                   False))
+            launches.append(Launch("w2_prefill", "w2", prefill.w2_prefill_kernel, (groups, triton.cdiv(K, 64 * 4)),
+                                   PREFILL_W2_ARGS[:-1] + ("row_outputs", "rows"),
+                                   _items(dict(K=K, N=N, G=G, WARPS=4, TOKEN_BLOCKS=1, IS_BF16=is_bf16)),
+                                   _items({"num_warps": 4}), False))
+        if "combine" in stages:
+            launches.append(Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
+                                   ("row_outputs", "topk_weights", "topk_ids", "out", "out_stride"),
+                                   _items(dict(TOP_K=top_k, K=K, E=E, BLOCK_K=COMBINE_BLOCK)),
+                                   _items({"num_warps": 2}), False))
+        stages = ()  # nothing more
     if "w2" in stages:
         grid = (rows, w2_tiles)
         options = {"num_warps": config.w2_warps, **pdl_options, **config.w2_compile_options(capability)}
@@ -241,18 +280,20 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
         launches.append(Launch("combine", "combine", combine_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)), COMBINE_ARGS,
                                _items(dict(TOP_K=top_k, K=K, BLOCK_K=COMBINE_BLOCK, USE_PDL=use_pdl)),
                                _items({"num_warps": 2, **pdl_options}), False))
-    return GroupedPlan(M, top_k, K, N, G, dtype, capability, config, timeline, tuple(launches), num_arrivals)
+    return GroupedPlan(M, top_k, K, N, G, dtype, capability, config, timeline, tuple(launches), num_arrivals,
+                       tuple(sort_regions), sort_numel, groups)
 
 
 def launch_plan(plan: GroupedPlan, hidden_states, topk_weights, topk_ids, weights, scratch, out,
-                stamps: Optional[Dict[str, torch.Tensor]] = None) -> list:
+                stamps: Optional[Dict[str, torch.Tensor]] = None, sort_scratch: Optional[torch.Tensor] = None) -> list:
     """Run ``plan`` into ``out`` [M, K]; return what each launch returned (its compiled kernel on a GPU).
 
     ``weights`` is an ``awq.AwqMoeWeights``; ``scratch`` holds the workspace regions as
     attributes (``ops.workspace_views``): int32 ``combine_arrivals`` (>= plan.num_arrivals),
     float32 ``gate_up_partials`` (>= splits * M * k * 2N, flat), ``activations`` [M * k, N] and
     ``row_outputs`` [M * k, K]. topk_ids and topk_weights contiguous [M, k]. ``stamps``: the
-    int64 buffers of a timeline plan, named and shaped as ``plan.timeline_shapes``.
+    int64 buffers of a timeline plan, named and shaped as ``plan.timeline_shapes``. ``sort_scratch``:
+    int32, at least ``plan.sort_numel`` (allocated here when the plan sorts and none is given).
     """
     if plan.num_arrivals > scratch.combine_arrivals.numel():
         raise ValueError(f"grouped_decode: {plan.num_arrivals} combine counters needed, the workspace holds "
@@ -277,7 +318,18 @@ def launch_plan(plan: GroupedPlan, hidden_states, topk_weights, topk_ids, weight
         "num_experts": weights.num_experts,
         "w13_stamps": (stamps or {}).get("w13_stamps") if plan.timeline else None,
         "w2_stamps": (stamps or {}).get("w2_stamps") if plan.timeline else None,
+        **{name: None for name in GROUP_ARGS},
+        # the W2 over groups' 16-bit activations: the fp32 activations region's first half
+        "act16": scratch.activations.view(-1)[: plan.rows * plan.intermediate_size // 2].view(plan.dtype).view(
+            plan.rows, plan.intermediate_size),
     }
+    if plan.sort_numel:
+        if sort_scratch is None:
+            sort_scratch = torch.empty(plan.sort_numel, dtype=torch.int32, device=hidden_states.device)
+        elif sort_scratch.numel() < plan.sort_numel or sort_scratch.dtype != torch.int32:
+            raise ValueError(f"grouped_decode: the sort's scratch must be int32 of at least {plan.sort_numel} elements")
+        values.update(rows=plan.rows, num_blocks=triton.cdiv(plan.rows, expert_sort.BLOCK_ROWS),
+                      max_groups=plan.max_groups, **_region_views(plan.sort_regions, sort_scratch, plan.dtype))
     return _run(plan.launches, values)
 
 
@@ -307,14 +359,69 @@ class PrefillPlan(CallShape):
 
     def scratch_views(self, scratch: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The named regions of a ``scratch_numel`` int32 tensor (16-bit ones in the activation dtype)."""
-        views = {}
-        for name, offset, shape, half in self.regions:
-            numel = math.prod(shape)
-            if half:
-                views[name] = scratch[offset: offset + (numel + 1) // 2].view(self.dtype)[:numel].view(shape)
-            else:
-                views[name] = scratch[offset: offset + numel].view(shape)
-        return views
+        return _region_views(self.regions, scratch, self.dtype)
+
+
+def _region_views(regions, scratch: torch.Tensor, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    views = {}
+    for name, offset, shape, half in regions:
+        numel = math.prod(shape)
+        if half:
+            views[name] = scratch[offset: offset + (numel + 1) // 2].view(dtype)[:numel].view(shape)
+        else:
+            views[name] = scratch[offset: offset + numel].view(shape)
+    return views
+
+
+def _layout(regions_spec, offset: int = 0):
+    """(name, offset, shape, 16-bit) of each region laid out from ``offset``, 64-byte aligned, and the end."""
+    regions = []
+    for name, shape, half in regions_spec:
+        numel = math.prod(shape)
+        regions.append((name, offset, shape, half))
+        offset += -(-((numel + 1) // 2 if half else numel) // 16) * 16
+    return regions, offset
+
+
+# rows per group of the grouped route's W13 over groups: one mma B operand of 8 token columns
+GROUP_ROWS = 8
+
+
+def _sort_stage(M: int, top_k: int, E: int, group_rows: int):
+    """The sort's four launches (expert_sort.py) for M tokens into groups of ``group_rows``, with
+    their scratch regions: (launches, regions, int32 elements, max groups)."""
+    rows = M * top_k
+    block = expert_sort.BLOCK_ROWS
+    num_blocks = triton.cdiv(rows, block)
+    e_pad = _next_pow2(max(E, expert_sort.EXPERT_BLOCK))
+    max_groups = expert_sort.max_groups(rows, E, group_rows)
+    # the sort's tiles sized for the next power of two of M: one binary serves a whole bucket
+    bucket_rows = _next_pow2(M) * top_k
+    nb_pad = _next_pow2(triton.cdiv(bucket_rows, block))
+    g_pad = _next_pow2(expert_sort.max_groups(bucket_rows, E, group_rows))
+    regions, numel = _layout((
+        ("ranks", (rows,), False), ("block_counts", (num_blocks, e_pad), False), ("expert_totals", (e_pad,), False),
+        ("expert_offsets", (e_pad,), False), ("group_first", (e_pad,), False), ("group_expert", (max_groups,), False),
+        ("group_start", (max_groups,), False), ("group_count", (max_groups,), False), ("num_groups", (1,), False),
+        ("sorted_rows", (rows,), False),
+    ))
+    launches = (
+        Launch("sort_ranks", "sort", expert_sort.ranks_kernel, (num_blocks,), ("topk_ids", "rows", "ranks", "block_counts"),
+               _items(dict(E=E, E_PAD=e_pad, BLOCK=block)), _items({"num_warps": 4}), False),
+        Launch("sort_prefix", "sort", expert_sort.prefix_kernel, (e_pad // expert_sort.EXPERT_BLOCK,),
+               ("block_counts", "num_blocks", "expert_totals"),
+               _items(dict(E_PAD=e_pad, NB_PAD=nb_pad, EXPERTS=expert_sort.EXPERT_BLOCK)),
+               _items({"num_warps": 4}), False),
+        Launch("sort_groups", "sort", expert_sort.groups_kernel, (1,),
+               ("expert_totals", "expert_offsets", "group_first", "group_expert", "group_start", "group_count",
+                "num_groups", "max_groups"),
+               _items(dict(E_PAD=e_pad, G_PAD=g_pad, T=group_rows)), _items({"num_warps": 16}),
+               False),
+        Launch("sort_scatter", "sort", expert_sort.scatter_kernel, (num_blocks,),
+               ("topk_ids", "rows", "ranks", "block_counts", "expert_offsets", "sorted_rows"),
+               _items(dict(E=E, E_PAD=e_pad, BLOCK=block)), _items({"num_warps": 4}), False),
+    )
+    return launches, regions, numel, max_groups
 
 
 def prefill_plan(num_tokens: int, top_k: int, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -331,41 +438,12 @@ def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig
         raise ValueError(f"prefill: group size {G}, intermediate size {N} and hidden size {K} must be multiples of "
                          f"{CHUNK_ROWS.value} (the tensor-core chunk)")
     rows = M * top_k
-    block = expert_sort.BLOCK_ROWS
-    num_blocks = triton.cdiv(rows, block)
-    e_pad = _next_pow2(max(E, expert_sort.EXPERT_BLOCK))
-    group_rows = config.group_rows
-    max_groups = expert_sort.max_groups(rows, E, group_rows)
-    # the sort's tiles sized for the next power of two of M: one binary serves a whole bucket
-    bucket_rows = _next_pow2(M) * top_k
-    nb_pad = _next_pow2(triton.cdiv(bucket_rows, block))
-    g_pad = _next_pow2(expert_sort.max_groups(bucket_rows, E, group_rows))
     is_bf16 = dtype == torch.bfloat16
-    regions, offset = [], 0
-    for name, shape, half in (
-        ("ranks", (rows,), False), ("block_counts", (num_blocks, e_pad), False), ("expert_totals", (e_pad,), False),
-        ("expert_offsets", (e_pad,), False), ("group_first", (e_pad,), False), ("group_expert", (max_groups,), False),
-        ("group_start", (max_groups,), False), ("group_count", (max_groups,), False), ("num_groups", (1,), False),
-        ("sorted_rows", (rows,), False), ("act16", (rows, N), True), ("row_out16", (rows, K), True),
-    ):
-        numel = math.prod(shape)
-        regions.append((name, offset, shape, half))
-        offset += -(-((numel + 1) // 2 if half else numel) // 16) * 16  # 64-byte aligned regions
+    sort_launches, sort_regions, sort_numel, max_groups = _sort_stage(M, top_k, E, config.group_rows)
+    gemm_regions, offset = _layout((("act16", (rows, N), True), ("row_out16", (rows, K), True)), sort_numel)
+    regions = sort_regions + gemm_regions
     launches = (
-        Launch("sort_ranks", "sort", expert_sort.ranks_kernel, (num_blocks,), ("topk_ids", "rows", "ranks", "block_counts"),
-               _items(dict(E=E, E_PAD=e_pad, BLOCK=block)), _items({"num_warps": 4}), False),
-        Launch("sort_prefix", "sort", expert_sort.prefix_kernel, (e_pad // expert_sort.EXPERT_BLOCK,),
-               ("block_counts", "num_blocks", "expert_totals"),
-               _items(dict(E_PAD=e_pad, NB_PAD=nb_pad, EXPERTS=expert_sort.EXPERT_BLOCK)),
-               _items({"num_warps": 4}), False),
-        Launch("sort_groups", "sort", expert_sort.groups_kernel, (1,),
-               ("expert_totals", "expert_offsets", "group_first", "group_expert", "group_start", "group_count",
-                "num_groups", "max_groups"),
-               _items(dict(E_PAD=e_pad, G_PAD=g_pad, T=group_rows)), _items({"num_warps": 16}),
-               False),
-        Launch("sort_scatter", "sort", expert_sort.scatter_kernel, (num_blocks,),
-               ("topk_ids", "rows", "ranks", "block_counts", "expert_offsets", "sorted_rows"),
-               _items(dict(E=E, E_PAD=e_pad, BLOCK=block)), _items({"num_warps": 4}), False),
+        *sort_launches,
         *_prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config),
         Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
                ("row_out16", "topk_weights", "topk_ids", "out", "out_stride"),

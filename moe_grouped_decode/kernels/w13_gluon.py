@@ -17,6 +17,10 @@ issues, and this version issues fewer (docs/PERF.md)::
                 awq_mma PTX -> float32 accumulators
       -> partials[s, row, tile's 64 columns]
 
+With OVER_GROUPS the programs run over the on-device sort's groups (up to 8 rows of one
+expert, as ``w13_tl``'s): the group's 8 activation rows are copied per split, row g is column
+g of the B operand, and each column's partials go to its own row (the same bits as per row).
+
 Program 0 zeroes the W2 launch's combine counters. No interpreter support: where Gluon does
 not run, the plan launches ``w13_tl``.
 """
@@ -33,10 +37,11 @@ if AVAILABLE:
 
     def _w13_gluon(
         x_ptr, stride_xm, ids_ptr, num_experts, qweight_ptr, scales_ptr, qzeros_ptr, partials_ptr, rows, arrivals_ptr,
-        num_arrivals, timeline_ptr,
+        num_arrivals, timeline_ptr, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr,
+        num_groups_ptr,
         TOP_K: gl.constexpr, K: gl.constexpr, TWO_N: gl.constexpr, G: gl.constexpr, CHUNKS: gl.constexpr,
         CHUNKS_PAD: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr, ARRIVALS_PAD: gl.constexpr,
-        IS_BF16: gl.constexpr, USE_PDL: gl.constexpr, TIMELINE: gl.constexpr,
+        IS_BF16: gl.constexpr, USE_PDL: gl.constexpr, TIMELINE: gl.constexpr, OVER_GROUPS: gl.constexpr = False,
     ):
         """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols]
         (one warp; program 1 + (row * SPLITS + s) * TILES + tile, as w13_tl's)."""
@@ -60,11 +65,19 @@ if AVAILABLE:
         work = pid - 1
         tile = work % TILES
         split = (work // TILES) % SPLITS
-        row = work // (TILES * SPLITS)
-        expert = gl.load(ids_ptr + row)
-        # an id outside [0, E) reads expert 0 (never out of bounds); W2 zeroes that row's output
-        expert = gl.where((expert >= 0) & (expert < num_experts), expert, 0).to(gl.int64)
-        token = (row // TOP_K).to(gl.int64)
+        if OVER_GROUPS:
+            group = work // (TILES * SPLITS)
+            if group >= gl.load(num_groups_ptr):
+                return
+            expert = gl.load(group_expert_ptr + group).to(gl.int64)
+            start = gl.load(group_start_ptr + group)
+            count = gl.load(group_count_ptr + group)
+        else:
+            row = work // (TILES * SPLITS)
+            expert = gl.load(ids_ptr + row)
+            # an id outside [0, E) reads expert 0 (never out of bounds); W2 zeroes that row's output
+            expert = gl.where((expert >= 0) & (expert < num_experts), expert, 0).to(gl.int64)
+            token = (row // TOP_K).to(gl.int64)
         k_first = split * SPLIT_ROWS
 
         # The ring: [STAGES, 32 rows, 8 words]. Shared row q of a stage holds chunk row
@@ -84,7 +97,21 @@ if AVAILABLE:
         x_copy: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])
         s_copy: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
         rows_2d: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [CHUNKS_PAD, 32], rows_2d)
+        if OVER_GROUPS:
+            # the group's 8 rows' activations of the split: [chunk, row g, 32]
+            xg_copy: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [1, 1, 1], [2, 1, 0])
+            xg_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [CHUNKS_PAD, 8, 32],
+                                                gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+            xgc = gl.arange(0, CHUNKS_PAD, layout=gl.SliceLayout(1, gl.SliceLayout(2, xg_copy)))[:, None, None]
+            xgn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, xg_copy)))[None, :, None]
+            xgr = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, xg_copy)))[None, None, :]
+            xg_ok = xgn < count
+            xg_token = (gl.load(sorted_rows_ptr + start + xgn, mask=xg_ok, other=0) // TOP_K).to(gl.int64)
+            k_xg = k_first + xgc * 32
+            async_copy.async_copy_global_to_shared(xg_smem, x_ptr + xg_token * stride_xm + k_xg + xgr,
+                                                   mask=xg_ok & (xgc < CHUNKS) & (k_xg + xgr < K))
+        else:
+            x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [CHUNKS_PAD, 32], rows_2d)
         s_smem = gl.allocate_shared_memory(scales_ptr.dtype.element_ty, [CHUNKS_PAD, 64], rows_2d)
         z_smem = gl.allocate_shared_memory(gl.int32, [CHUNKS_PAD, 8], rows_2d)
         xc = gl.arange(0, CHUNKS_PAD, layout=gl.SliceLayout(1, x_copy))[:, None]
@@ -93,8 +120,9 @@ if AVAILABLE:
         sj = gl.arange(0, 64, layout=gl.SliceLayout(0, s_copy))[None, :]
         zc = gl.arange(0, CHUNKS_PAD, layout=gl.SliceLayout(1, copy_layout))[:, None]
         k_x, k_s, k_z = k_first + xc * 32, k_first + sc * 32, k_first + zc * 32
-        async_copy.async_copy_global_to_shared(x_smem, x_ptr + token * stride_xm + k_x + xr,
-                                               mask=(xc < CHUNKS) & (k_x + xr < K))
+        if not OVER_GROUPS:
+            async_copy.async_copy_global_to_shared(x_smem, x_ptr + token * stride_xm + k_x + xr,
+                                                   mask=(xc < CHUNKS) & (k_x + xr < K))
         async_copy.async_copy_global_to_shared(
             s_smem, scales_ptr + expert * (K // G * TWO_N) + k_s // G * TWO_N + tile * 64 + sj,
             mask=(sc < CHUNKS) & (k_s < K) & (sj >= 0))
@@ -102,7 +130,10 @@ if AVAILABLE:
             z_smem, qzeros_ptr + expert * (K // G * PACKED_N) + k_z // G * PACKED_N + tile * 8 + w,
             mask=(zc < CHUNKS) & (k_z < K) & (w >= 0))
         per_chunk: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        x_rows = x_smem._reinterpret(x_ptr.dtype.element_ty, [CHUNKS_PAD, 32], per_chunk)
+        if OVER_GROUPS:
+            xg_rows = xg_smem._reinterpret(x_ptr.dtype.element_ty, [CHUNKS_PAD, 8, 32], rows_2d)
+        else:
+            x_rows = x_smem._reinterpret(x_ptr.dtype.element_ty, [CHUNKS_PAD, 32], per_chunk)
         s_rows = s_smem._reinterpret(scales_ptr.dtype.element_ty, [CHUNKS_PAD, 64], per_chunk)
         z_rows = z_smem._reinterpret(gl.int32, [CHUNKS_PAD, 8], per_chunk)
         for s in gl.static_range(STAGES):
@@ -129,8 +160,13 @@ if AVAILABLE:
             # x row 16 (e // 4) + 4 t + e % 4: [32] -> [2, 4 (t), 4] -> [t, e // 4, e % 4] -> [t, e], in
             # every column g of the mma's B operand: only D's column 0 (lanes t = 0) is stored, and an
             # mma output column depends on its own B column only
-            x_te = x_rows.index(c).reshape([2, 4, 4]).permute([1, 0, 2]).reshape([4, 8]).load(gl.SliceLayout(0, frag))
-            x = gl.broadcast(gl.expand_dims(x_te, 0), fill)[0]
+            if OVER_GROUPS:
+                # column g: row g's x at row 16 (e // 4) + 4 t + e % 4: [8, 32] -> [g, 2, 4 (t), 4] -> [g, t, e]
+                x = xg_rows.index(c).reshape([8, 2, 4, 4]).permute([0, 2, 1, 3]).reshape([8, 4, 8]).load(frag)
+            else:
+                x_te = x_rows.index(c).reshape([2, 4, 4]).permute([1, 0, 2]).reshape([4, 8]).load(
+                    gl.SliceLayout(0, frag))
+                x = gl.broadcast(gl.expand_dims(x_te, 0), fill)[0]
             scales_ge = s_rows.index(c).reshape([8, 8]).load(gl.SliceLayout(1, frag))
             if not EVEN:
                 # a chunk past K (the last split's) holds stale shared memory (masked copies write
@@ -157,8 +193,15 @@ if AVAILABLE:
             acc_hi += d_hi
         # awq_mma.chunk_columns: element 4 j + c is column 2 j + c // 2 (d_lo, j = 0, 1; d_hi +4)
         cols = (tile * 8 + g) * 8 + 2 * (e // 4) + (e % 4) // 2 + t * 0
-        keep = (t == 0) & (e % 2 == 0) & (g >= 0)
-        out_base = partials_ptr + (split * rows + row) * TWO_N
+        if OVER_GROUPS:
+            # element 4 j + c of lane (g, t) is token column 2 t + c % 2: the group's row of that column
+            slot = 2 * t + e % 2 + g * 0
+            keep = slot < count
+            out_row = gl.load(sorted_rows_ptr + start + slot, mask=keep, other=0)
+        else:
+            keep = (t == 0) & (e % 2 == 0) & (g >= 0)
+            out_row = row
+        out_base = partials_ptr + (split * rows + out_row) * TWO_N
         gl.store(out_base + cols, acc_lo, mask=keep)
         gl.store(out_base + cols + 4, acc_hi, mask=keep)
         if TIMELINE:

@@ -11,7 +11,11 @@ Programs (no host sync; the grid is sized by R = M * k routed rows)::
 
 Programs index experts by routed row, so they need no compaction first; rows that share
 an expert read it again from L2 (the layer's active W13 is ~36 MB at M = 8, under the
-60 MB of an H200), not from DRAM. The warps' sums are added in one fixed tree, so a row's
+60 MB of an H200), not from DRAM. With OVER_GROUPS the programs run over the groups of the
+on-device sort instead (``expert_sort.py``: up to 8 rows of one expert): program
+1 + (group * SPLITS + s) * TILES + tile puts the group's row g in column g of the B operand,
+so each weight tile is read once for all of them. An mma output column depends on its own B
+column only, so every row's partials keep the per-row programs' bits. The warps' sums are added in one fixed tree, so a row's
 bits depend on the split and the warps only. ``w13_gluon.py`` runs the same programs with
 their loads staged in shared memory (same bits); this kernel is what runs where Gluon does
 not (the interpreter, no Gluon, the switch off).
@@ -35,9 +39,11 @@ def _w13_tl(
     rows,
     arrivals_ptr, num_arrivals,
     timeline_ptr,
+    sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, num_groups_ptr,
     TOP_K: tl.constexpr, K: tl.constexpr, TWO_N: tl.constexpr, G: tl.constexpr,
     CHUNKS: tl.constexpr, WARPS: tl.constexpr, SPLITS: tl.constexpr,
     ARRIVALS_PAD: tl.constexpr, IS_BF16: tl.constexpr, USE_PDL: tl.constexpr, TIMELINE: tl.constexpr,
+    OVER_GROUPS: tl.constexpr = False,
 ):
     """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols]."""
     let_next_launch_start(USE_PDL)
@@ -58,12 +64,24 @@ def _w13_tl(
     work = pid - 1
     tile = work % TILES
     split = (work // TILES) % SPLITS
-    row = work // (TILES * SPLITS)
-    expert = tl.load(ids_ptr + row)
-    # an id outside [0, E) reads expert 0 (never out of bounds); W2 zeroes that row's output
-    expert = tl.where((expert >= 0) & (expert < num_experts), expert, 0).to(tl.int64)
-    token = (row // TOP_K).to(tl.int64)
     warp, g, t, e = chunk_lanes(WARPS)
+    if OVER_GROUPS:
+        group = work // (TILES * SPLITS)
+        if group >= tl.load(num_groups_ptr):
+            return
+        expert = tl.load(group_expert_ptr + group).to(tl.int64)
+        start = tl.load(group_start_ptr + group)
+        count = tl.load(group_count_ptr + group)
+        # B column g: the group's row g (the sort leaves out ids outside [0, E): W2 zeroes those rows)
+        column_ok = g < count
+        token = (tl.load(sorted_rows_ptr + start + g, mask=column_ok, other=0) // TOP_K).to(tl.int64)
+    else:
+        row = work // (TILES * SPLITS)
+        expert = tl.load(ids_ptr + row)
+        # an id outside [0, E) reads expert 0 (never out of bounds); W2 zeroes that row's output
+        expert = tl.where((expert >= 0) & (expert < num_experts), expert, 0).to(tl.int64)
+        token = (row // TOP_K).to(tl.int64)
+        column_ok = g == 0
     word = tile * TILE_WORDS + g
     acc_lo = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
     acc_hi = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
@@ -73,7 +91,7 @@ def _w13_tl(
         chunk_ok = k0 < K
         group = k0 // G
         words = tl.load(qweight_ptr + expert * (K * PACKED_N) + k_rows * PACKED_N + word, mask=chunk_ok, other=0)
-        x = tl.load(x_ptr + token * stride_xm + k_rows, mask=chunk_ok & (g == 0), other=0.0)
+        x = tl.load(x_ptr + token * stride_xm + k_rows, mask=chunk_ok & column_ok, other=0.0)
         scales = tl.load(scales_ptr + expert * (K // G * TWO_N) + group * TWO_N + word * 8 + e, mask=chunk_ok,
                          other=0.0)
         zeros = tl.load(qzeros_ptr + expert * (K // G * PACKED_N) + group * PACKED_N + word, mask=chunk_ok, other=0)
@@ -83,11 +101,18 @@ def _w13_tl(
     if WARPS > 1:
         acc_lo = tl.sum(tl.reshape(acc_lo, [WARPS, 32, 8]), axis=0)
         acc_hi = tl.sum(tl.reshape(acc_hi, [WARPS, 32, 8]), axis=0)
-    # lanes t = 0 hold token column 0 (this row's token) in their even elements
     _, g, t, e = chunk_lanes(1)
     cols = chunk_columns(tile * TILE_WORDS + g, e)
-    keep = (t == 0) & (e % 2 == 0)
-    out_base = partials_ptr + (split * rows + row) * TWO_N
+    if OVER_GROUPS:
+        # element 4 j + c of lane (g, t) is token column 2 t + c % 2: the group's row of that column
+        slot = 2 * t + e % 2
+        keep = slot < count
+        out_row = tl.load(sorted_rows_ptr + start + slot, mask=keep, other=0)
+    else:
+        # lanes t = 0 hold token column 0 (this row's token) in their even elements
+        keep = (t == 0) & (e % 2 == 0)
+        out_row = row
+    out_base = partials_ptr + (split * rows + out_row) * TWO_N
     tl.store(out_base + cols, acc_lo, mask=keep)
     tl.store(out_base + cols + 4, acc_hi, mask=keep)
     if TIMELINE:

@@ -46,6 +46,21 @@ def row_activations(partials_ptr, act_ptr, row, rows, N: tl.constexpr, SPLITS: t
     tl.store(act_ptr + row * N + n, silu_mul(gate, up), mask=n < N)
 
 
+@triton.jit(do_not_specialize=["rows"])
+def activations_kernel(partials_ptr, act_ptr, rows, N: tl.constexpr, SPLITS: tl.constexpr, N_PAD: tl.constexpr):
+    """act[row] = silu(gate) * up of row ``program_id``'s W13 partials summed in split order, in
+    act's 16-bit dtype (what W2 over the sort's groups reads; as the W2 per row rounds them)."""
+    row = tl.program_id(0)
+    n = tl.arange(0, N_PAD)
+    gate = tl.zeros([N_PAD], dtype=tl.float32)
+    up = tl.zeros([N_PAD], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        part = partials_ptr + (s * rows + row) * (2 * N) + n
+        gate += tl.load(part, mask=n < N, other=0.0)
+        up += tl.load(part + N, mask=n < N, other=0.0)
+    tl.store(act_ptr + row * N + n, silu_mul(gate, up).to(act_ptr.dtype.element_ty), mask=n < N)
+
+
 def _w2_tl(
     ids_ptr, num_experts,
     partials_ptr,

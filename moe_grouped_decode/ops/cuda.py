@@ -36,7 +36,7 @@ def grouped_plan_for(hidden_states, topk_ids, weights: AwqMoeWeights, config=Non
     device = hidden_states.device
     config = (config or plan.config_for(shape, hidden_states.dtype, M, device)).fitted(K)
     return plan.grouped_plan(M, shape[1], K, shape[3], shape[4], hidden_states.dtype, cuda_capability(device),
-                             config, **options)
+                             config, num_experts=shape[0], **options)
 
 
 def launch_grouped(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights, workspace, out, config=None,
