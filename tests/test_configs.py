@@ -76,6 +76,17 @@ def test_unlisted_shape_gets_the_fitted_default():
     assert config.grouped_config(shape, H200, "tl", "fp16", 3) == GroupedConfig().as_tl().fitted(shape[2])
 
 
+@pytest.mark.parametrize("family", ["gluon", "tl"])
+def test_untabled_counts_run_over_the_sorts_groups_from_the_threshold(family):
+    """Token counts without a table entry take the default config, over the sort's groups from
+    OVER_GROUPS_FROM_TOKENS on; the table's decode entries (M <= 8) run per routed row."""
+    threshold = config.OVER_GROUPS_FROM_TOKENS
+    assert not config.grouped_config(SHAPE, H200, family, "fp16", threshold - 1).w13_over_groups
+    assert config.grouped_config(SHAPE, H200, family, "fp16", threshold).w13_over_groups
+    assert config.grouped_config(SHAPE, H200, family, "bf16", 512).w13_over_groups
+    assert not any(config.grouped_config(SHAPE, H200, family, "fp16", m).w13_over_groups for m in range(1, 9))
+
+
 @pytest.mark.parametrize("fields, match", [
     (dict(w13_kernel="ring"), "w13_kernel must be one of"),
     (dict(w13_warps=2), "the Gluon W13 runs 1-warp programs"),
@@ -83,6 +94,7 @@ def test_unlisted_shape_gets_the_fitted_default():
     (dict(w2_kernel="gluon", fused_combine=False), "the Gluon W2 fuses the combine"),
     (dict(w2_copy_ahead=0), "must be at least 1, got 0"),
     (dict(w2_copy_ahead=-1), "must be at least 1, got -1"),  # would index before the first chunk
+    (dict(w13_over_groups=True, w2_act_split=True), "needs w2_act_split=False"),  # W2 over groups rounds once
 ])
 def test_contradictory_configs_are_refused(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -215,7 +227,7 @@ def test_every_constexpr_a_kernel_declares_is_read():
     kernels = (w13_tl.w13_tl_kernel, w2_tl.w2_tl_kernel, w13_gluon.w13_gluon_kernel, w2_gluon.w2_gluon_kernel,
                combine.combine_kernel, combine.combine_valid_kernel, prefill.w13_prefill_kernel,
                prefill.w2_prefill_kernel, expert_sort.ranks_kernel, expert_sort.prefix_kernel,
-               expert_sort.groups_kernel, expert_sort.scatter_kernel)
+               expert_sort.groups_kernel, expert_sort.scatter_kernel, w2_tl.activations_kernel)
     for fn in (kernel.fn for kernel in kernels):
         source = inspect.getsource(fn)
         signature, body = source.split("):\n", 1)
@@ -240,6 +252,37 @@ def test_plan_grids_and_stages():
         qwen_plan(8, cfg, capability=(0, 0), timeline=True)
     with pytest.raises(RuntimeError, match="compute capability 8.0 or newer"):
         qwen_plan(8, cfg, capability=(7, 0))
+
+
+@pytest.mark.parametrize("capability, w13", [((9, 0), "w13_gluon"), ((0, 0), "w13_tl")])
+def test_a_plan_over_the_sorts_groups(capability, w13):
+    """The sort's four launches, W13 over at most R / 8 + min(E, R) groups, the activations once
+    per row, W2 and the combine over the same groups; the sort's scratch sized by E."""
+    cfg = GroupedConfig(w13_over_groups=True)
+    M, E = 64, SHAPE[0]
+    over = plan.grouped_plan(M, *SHAPE[1:], torch.float16, capability, cfg.fitted(K), num_experts=E)
+    assert [launch.name for launch in over.launches] == [
+        "sort_ranks", "sort_prefix", "sort_groups", "sort_scatter", w13, "activations", "w2_prefill", "combine_valid"]
+    groups = 640 // 8 + E
+    assert over.max_groups == groups
+    w13_launch = over.launch_for("w13")
+    assert w13_launch.grid == (1 + groups * 10 * 5,)  # program 0 + (groups, 256-row splits, column tiles)
+    assert dict(w13_launch.constexprs)["OVER_GROUPS"] is True
+    assert [launch.grid for launch in over.launches if launch.name == "w2_prefill"] == [(groups, 10)]
+    assert over.num_arrivals == 0 and over.sort_numel > 0
+    names = {name for name, *_ in over.sort_regions}
+    assert set(plan.GROUP_ARGS) <= names
+    for launch in over.launches:
+        params = launch.kernel.params
+        assert len(launch.args) == len([p for p in params if not p.is_constexpr]), launch.name
+        assert all(name in plan.ARGUMENT_TYPES for name in launch.args), launch.name
+    stages = [launch.stage for launch in plan.grouped_plan(M, *SHAPE[1:], torch.float16, capability, cfg.fitted(K),
+                                                            stages=("w13",), num_experts=E).launches]
+    assert stages == ["w13"]
+    with pytest.raises(ValueError, match="needs the expert count"):
+        plan.grouped_plan(M, *SHAPE[1:], torch.float16, capability, cfg.fitted(K))
+    per_row = qwen_plan(M, GroupedConfig(), capability)
+    assert per_row.sort_numel == 0 and not dict(per_row.launch_for("w13").constexprs)["OVER_GROUPS"]
 
 
 def test_largest_carveout_launches_binaries_of_their_own():

@@ -276,9 +276,12 @@ def _breakdown(args, layers, workspace, gen) -> List[Dict]:
         full = grouped_plan_for(xs[0], ids[0], layers[0])
         row = {"M": M, "config": dataclasses.asdict(full.config)}
         launched = tuple(dict.fromkeys(launch.stage for launch in full.launches))
+        # one sort scratch for every call: a stage alone then reads the groups the last sort left
+        sort_scratch = torch.empty(max(1, full.sort_numel), dtype=torch.int32, device=device)
         for stages in (launched,) + tuple((stage,) for stage in launched):
             def step(layer, stages=stages):
-                launch_grouped(xs[layer], tws[layer], ids[layer], layers[layer], workspace, out, stages=stages)
+                launch_grouped(xs[layer], tws[layer], ids[layer], layers[layer], workspace, out, stages=stages,
+                               sort_scratch=sort_scratch)
 
             name = "+".join(stages)
             row[name] = graph_replay_us(step, args.layers, args.reps)

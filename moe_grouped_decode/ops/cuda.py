@@ -40,14 +40,15 @@ def grouped_plan_for(hidden_states, topk_ids, weights: AwqMoeWeights, config=Non
 
 
 def launch_grouped(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights, workspace, out, config=None,
-                   stamps=None, **options) -> list:
-    """Launch the grouped decode into ``out`` (no checks, no allocation); ``config`` overrides
-    the tuned/table launch config (benchmarks and the tuner), ``options`` and ``stamps`` are the
+                   stamps=None, sort_scratch=None, **options) -> list:
+    """Launch the grouped decode into ``out`` (no checks; a config over the sort's groups
+    allocates the sort's scratch unless ``sort_scratch`` is given); ``config`` overrides the
+    tuned/table launch config (benchmarks and the tuner), ``options`` and ``stamps`` are the
     plan's lab switches and the timeline's buffers. Returns the launches' compiled kernels."""
     grouped = grouped_plan_for(hidden_states, topk_ids, weights, config, **options)
     views = workspace_views(workspace, grouped.rows, grouped.hidden_size, grouped.intermediate_size)
     return plan.launch_plan(grouped, hidden_states, topk_weights.contiguous(), topk_ids.contiguous(), weights, views,
-                            out, stamps)
+                            out, stamps, sort_scratch)
 
 
 @awq_moe_grouped_decode.register_kernel("cuda")
