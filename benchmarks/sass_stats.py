@@ -170,6 +170,8 @@ def compile_launch(launch, dtype: str, int_values: dict):
         elif name in launch_plan.GROUP_ARGS and launch.stage == "w13" and not dict(launch.constexprs).get(
                 "OVER_GROUPS", True):
             constexprs[param] = None  # the W13 per routed row takes no sort outputs
+        elif name == "id_flag" and not dict(launch.constexprs).get("CHECK_IDS"):
+            constexprs[param] = None  # the ids debug mode's flag, off
         elif types[name].startswith("*"):
             pointers[param] = types[name]
         else:

@@ -19,6 +19,12 @@
     ``1``: every token's output bits are the same whatever M and whatever other tokens share
     the call: admitted layers run one route (the prefill route) under one launch config at
     every M. Unset: follows vLLM's ``VLLM_BATCH_INVARIANT``. ``0``: off even when vLLM's is on.
+``MOE_GROUPED_DECODE_CHECK_IDS``
+    ``1``: debug mode for routing ids: the CUDA kernels set a device flag when a routed id is
+    outside [0, E) (such a slot still contributes nothing), and every eager call of the ops
+    checks that flag before and after its launches and raises a clear error (two host syncs
+    per call; a CUDA graph's replays are checked at the next eager call or by
+    ``ops.raise_on_flagged_ids()``). Unset or ``0``: off, no flag, no sync.
 
 Each switch also answers to its older name, ``VLLM_AWQ_MOE_GROUPED_DECODE``,
 ``VLLM_AWQ_MOE_GROUPED_DECODE_TUNE`` and ``VLLM_AWQ_MOE_GROUPED_DECODE_GLUON``.
@@ -159,3 +165,12 @@ def batch_invariant() -> bool:
         return int(raw) != 0
     except ValueError:
         return _to_bool(VLLM_BATCH_INVARIANT_ENV, raw)
+
+
+CHECK_IDS_ENV = "MOE_GROUPED_DECODE_CHECK_IDS"
+
+
+def check_ids() -> bool:
+    """Debug mode: the kernels flag routed ids outside [0, E) on the device (module docstring)."""
+    raw = _raw(CHECK_IDS_ENV)
+    return False if raw is None else _to_bool(CHECK_IDS_ENV, raw)

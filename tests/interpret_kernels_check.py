@@ -209,6 +209,20 @@ def main() -> None:
             print(f"FAIL {name}: an out-of-range id's row output is not zero", flush=True)
             sys.exit(1)
         check_over_groups(name, weights, x, tw, ids, config, out, views)
+        # the debug mode's flag: set by the per-row W13 and by the sort over groups, the outputs kept
+        for over_groups in (False, True):
+            checked = dataclasses.replace(config, w13_over_groups=over_groups)
+            for routed, want in ((ids, 1), (routing("random", M, k, E, gen), 0)):
+                flag = torch.zeros(1, dtype=torch.int32)
+                flagged_out = output_buffer(x)
+                launch_grouped(x, tw, routed, weights, alloc_workspace(M, k, K, N, "cpu"), flagged_out, checked,
+                               id_flag=flag, check_ids=True)
+                kept = routed is not ids or torch.equal(flagged_out, out)
+                ok = int(flag[0]) == want and kept
+                print(f"{'ok  ' if ok else 'FAIL'} {name} over_groups={over_groups}: ids flag {int(flag[0])} "
+                      f"(want {want}), outputs {'kept' if kept else 'changed'}", flush=True)
+                if not ok:
+                    sys.exit(1)
 
     # the benchmark's two-launch read floor sorts with this compaction kernel: one padded sort at
     # R = 10 and R = 135
@@ -269,6 +283,12 @@ def main() -> None:
         launch_prefill(x[-1:], tw[-1:], ids[-1:], weights, alone, config)
         if not torch.equal(alone.view(torch.int16), out[-1:].view(torch.int16)):
             print(f"FAIL {name}: last token differs when run alone", flush=True)
+            sys.exit(1)
+        # the debug mode's flag: the sort sets it exactly when an id is outside [0, E)
+        flag = torch.zeros(1, dtype=torch.int32)
+        launch_prefill(x, tw, ids, weights, output_buffer(x), config, id_flag=flag, check_ids=True)
+        if int(flag[0]) != int(bad):
+            print(f"FAIL {name}: ids flag {int(flag[0])}, want {int(bad)}", flush=True)
             sys.exit(1)
 
     print("all interpreter checks passed", flush=True)

@@ -285,6 +285,44 @@ def test_a_plan_over_the_sorts_groups(capability, w13):
     assert per_row.sort_numel == 0 and not dict(per_row.launch_for("w13").constexprs)["OVER_GROUPS"]
 
 
+@pytest.mark.parametrize("over_groups", [False, True])
+def test_the_ids_debug_mode_plans_flag_ids_once(over_groups):
+    """check_ids: the per-row W13 flags ids outside [0, E), or over groups the sort's first launch
+    (which sees every routed row); the flag is then a required argument, and nothing else changes."""
+    cfg = GroupedConfig(w13_over_groups=over_groups).fitted(K)
+    E = SHAPE[0]
+    checked = plan.grouped_plan(64, *SHAPE[1:], torch.float16, (9, 0), cfg, num_experts=E, check_ids=True)
+    plain = plan.grouped_plan(64, *SHAPE[1:], torch.float16, (9, 0), cfg, num_experts=E)
+    flags = {launch.name: dict(launch.constexprs).get("CHECK_IDS") for launch in checked.launches}
+    want = "sort_ranks" if over_groups else "w13_gluon"
+    assert [name for name, on in flags.items() if on] == [want]
+    assert not any(dict(launch.constexprs).get("CHECK_IDS") for launch in plain.launches)
+    assert [launch.name for launch in checked.launches] == [launch.name for launch in plain.launches]
+    assert all("id_flag" in launch.args for launch in checked.launches if launch.name == want)
+    with pytest.raises(ValueError, match="needs its int32 device flag"):
+        plan._checked_flag(None, True)
+    assert plan._checked_flag(torch.zeros(1, dtype=torch.int32), False) is None
+    prefill = plan.prefill_plan(64, *SHAPE[1:2], E, *SHAPE[2:], torch.float16, (9, 0), config.PrefillConfig(),
+                                check_ids=True)
+    assert [launch.name for launch in prefill.launches if dict(launch.constexprs).get("CHECK_IDS")] == ["sort_ranks"]
+
+
+def test_raise_on_flagged_ids_names_the_problem_and_clears_the_flag():
+    from moe_grouped_decode.ops import cuda
+
+    flag = torch.zeros(1, dtype=torch.int32)
+    cuda._ID_FLAGS[torch.device("cpu")] = flag
+    try:
+        cuda.raise_on_flagged_ids("cpu")  # clear: nothing to say
+        flag[0] = 1
+        with pytest.raises(ValueError, match=r"routed id outside \[0, num_experts\).*MOE_GROUPED_DECODE_CHECK_IDS"):
+            cuda.raise_on_flagged_ids("cpu")
+        assert int(flag[0]) == 0
+        cuda.raise_on_flagged_ids()  # cleared by the error
+    finally:
+        del cuda._ID_FLAGS[torch.device("cpu")]
+
+
 def test_largest_carveout_launches_binaries_of_their_own():
     """A config that prefers the largest carveout launches other JIT functions than the same config
     without it (carveout.py: the preference sticks to a compiled kernel)."""

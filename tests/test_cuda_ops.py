@@ -574,3 +574,43 @@ def test_grouped_over_the_sorts_groups_matches_reference(layer, large_workspace,
         torch.cuda.synchronize()
         assert_close(f"over groups replay {weights.dtype} M={M} ids {bad}", graph_out, x, ref_tw,
                      ids.clamp(0, E - 1), cpu_weights)
+
+
+@pytest.mark.parametrize("M", [4, 64, 1025])  # per row, over the sort's groups, the prefill route
+def test_ids_debug_mode_raises_on_ids_outside_the_experts(layer, large_workspace, monkeypatch, M):
+    """MOE_GROUPED_DECODE_CHECK_IDS=1: an eager call with an id outside [0, E) raises, naming the
+    op; good ids do not; a CUDA graph's replays set the flag for the next check to raise."""
+    from moe_grouped_decode.ops import raise_on_flagged_ids
+
+    monkeypatch.setenv("MOE_GROUPED_DECODE_CHECK_IDS", "1")
+    weights, _ = layer
+    gen = torch.Generator().manual_seed(5 + M)
+    x = activations(M, weights.dtype, gen)
+    ids, tw = routing("random", M, gen)
+    if M > 512:
+        def call(i):
+            return dense_op(x, tw, i, *weights.op_args())
+    else:
+        def call(i):
+            return grouped_op(x, tw, i, *weights.op_args(), large_workspace)
+    raise_on_flagged_ids()
+    call(ids)  # good ids: no error
+    bad = ids.clone()
+    bad[M // 2, 1] = -1
+    with pytest.raises(ValueError, match="awq_moe_(grouped_decode|dense): .*routed id outside"):
+        call(bad)
+    call(ids)  # the error cleared the flag
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call(ids)
+        with torch.cuda.graph(graph, stream=stream):
+            call(ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    raise_on_flagged_ids()  # good ids replayed: clear
+    ids.copy_(bad)
+    graph.replay()
+    with pytest.raises(ValueError, match="routed id outside"):
+        raise_on_flagged_ids()

@@ -126,3 +126,22 @@ def test_legacy_names_in_use_and_child_environments(monkeypatch):
     environ = {"PATH": "/bin", "VLLM_AWQ_MOE_GROUPED_DECODE": "0", GROUPED_DECODE_ENV: "0", TUNE_ENV: "1"}
     assert without_switches(environ, (GROUPED_DECODE_ENV,)) == {"PATH": "/bin", TUNE_ENV: "1"}
     assert without_switches(environ) == {"PATH": "/bin"}
+
+
+@pytest.mark.parametrize("value, enabled", [(None, False), ("", False), ("0", False), ("1", True), ("on", True)])
+def test_ids_debug_mode_default_off(monkeypatch, value, enabled):
+    from moe_grouped_decode.env import CHECK_IDS_ENV, check_ids
+
+    if value is None:
+        monkeypatch.delenv(CHECK_IDS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CHECK_IDS_ENV, value)
+    assert check_ids() is enabled
+
+
+def test_ids_debug_mode_rejects_unknown_values(monkeypatch):
+    from moe_grouped_decode.env import CHECK_IDS_ENV, check_ids
+
+    monkeypatch.setenv(CHECK_IDS_ENV, "maybe")
+    with pytest.raises(ValueError, match=CHECK_IDS_ENV):
+        check_ids()

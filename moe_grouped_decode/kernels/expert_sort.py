@@ -36,12 +36,14 @@ def _valid_experts(ids_ptr, r, rows, E: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["rows"])
-def ranks_kernel(ids_ptr, rows, ranks_ptr, block_counts_ptr,
-                 E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+def ranks_kernel(ids_ptr, rows, ranks_ptr, block_counts_ptr, id_flag_ptr,
+                 E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, CHECK_IDS: tl.constexpr = False):
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     r = b * BLOCK + i
     expert, valid = _valid_experts(ids_ptr, r, rows, E)
+    if CHECK_IDS:  # the debug mode's flag: a routed row whose id is outside [0, E)
+        tl.store(id_flag_ptr + i * 0, tl.full([BLOCK], 1, tl.int32), mask=(r < rows) & ~valid)
     keyed = tl.where(valid, expert, -1)  # invalid rows match nothing
     same = (keyed[:, None] == keyed[None, :]) & (i[None, :] < i[:, None]) & valid[:, None]
     tl.store(ranks_ptr + r, tl.sum(same.to(tl.int32), axis=1), mask=r < rows)

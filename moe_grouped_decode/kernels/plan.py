@@ -66,11 +66,12 @@ ARGUMENT_TYPES = {
     "ranks": "*i32", "block_counts": "*i32", "expert_totals": "*i32", "expert_offsets": "*i32", "group_first": "*i32",
     "group_expert": "*i32", "group_start": "*i32", "group_count": "*i32", "num_groups": "*i32", "sorted_rows": "*i32",
     "act16": "act", "row_out16": "act", "num_blocks": "i32", "max_groups": "i32",
+    "id_flag": "*i32",  # the debug mode's device flag (env.check_ids); None, a constexpr, when off
 }
 # the sort's outputs the W13 programs over groups read (None, a constexpr, in a plan without them)
 GROUP_ARGS = ("sorted_rows", "group_expert", "group_start", "group_count", "num_groups")
 W13_ARGS = ("x", "x_stride", "topk_ids", "num_experts", "w13_qweight", "w13_scales", "w13_qzeros", "partials", "rows",
-            "arrivals", "num_arrivals", "w13_stamps") + GROUP_ARGS
+            "arrivals", "num_arrivals", "w13_stamps") + GROUP_ARGS + ("id_flag",)
 W2_TL_ARGS = ("topk_ids", "num_experts", "partials", "w2_qweight", "w2_scales", "w2_qzeros", "activations", "row_outputs", "rows",
               "topk_weights", "out", "out_stride", "arrivals", "w2_stamps")
 W2_GLUON_ARGS = ("topk_ids", "num_experts", "partials", "w2_qweight", "w2_scales", "w2_qzeros", "row_outputs", "rows",
@@ -181,17 +182,18 @@ def _items(mapping: dict) -> Tuple[Tuple[str, Any], ...]:
 def grouped_plan(num_tokens: int, top_k: int, hidden_size: int, intermediate_size: int, group_size: int,
                  dtype: torch.dtype, capability: Tuple[int, int], config: GroupedConfig,
                  stages: Sequence[str] = STAGES, timeline: bool = False, w2_rn_scale: bool = False,
-                 num_experts: int = 0) -> GroupedPlan:
+                 num_experts: int = 0, check_ids: bool = False) -> GroupedPlan:
     """The plan of one grouped call (cached). ``config`` must be ``fitted`` to K; ``capability``
     is (0, 0) under the interpreter; ``num_experts`` (E) sizes the sort of a config with
-    ``w13_over_groups``."""
+    ``w13_over_groups``; ``check_ids``: the debug mode's kernels, which flag ids outside [0, E)."""
     return _grouped_plan(num_tokens, top_k, hidden_size, intermediate_size, group_size, dtype, tuple(capability),
-                         config, tuple(stages), timeline, w2_rn_scale, gluon_runs(tuple(capability)), num_experts)
+                         config, tuple(stages), timeline, w2_rn_scale, gluon_runs(tuple(capability)), num_experts,
+                         check_ids)
 
 
 @functools.lru_cache(maxsize=1024)
 def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, stages, timeline, w2_rn_scale,
-                  gluon: bool, E: int) -> GroupedPlan:
+                  gluon: bool, E: int, check_ids: bool) -> GroupedPlan:
     _check_capability("grouped_decode", capability)
     if config.w13_over_groups and timeline:
         raise ValueError("grouped_decode: the timeline stamps the per-row kernels; a config with w13_over_groups "
@@ -224,7 +226,7 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
     launches = []
     sort_regions, sort_numel, groups = (), 0, 0
     if config.w13_over_groups:
-        sort_launches, sort_regions, sort_numel, groups = _sort_stage(M, top_k, E, GROUP_ROWS)
+        sort_launches, sort_regions, sort_numel, groups = _sort_stage(M, top_k, E, GROUP_ROWS, check_ids)
         if "sort" in stages:
             launches.extend(sort_launches)
         num_arrivals = arrivals_pad = 0
@@ -233,7 +235,8 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
         grid = (1 + programs * splits * (2 * N // 8 // TILE_WORDS.value),)
         common = dict(TOP_K=top_k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, SPLITS=splits,
                       ARRIVALS_PAD=arrivals_pad, IS_BF16=is_bf16, USE_PDL=use_pdl, TIMELINE=timeline,
-                      OVER_GROUPS=config.w13_over_groups)
+                      OVER_GROUPS=config.w13_over_groups,
+                      CHECK_IDS=check_ids and not config.w13_over_groups)  # over groups the sort flags
         if w13_on_gluon:
             kernel = w13_gluon.w13_gluon_kernel_max_carveout if carveout else w13_gluon.w13_gluon_kernel
             launches.append(Launch("w13_gluon", "w13", kernel, grid, W13_ARGS, _items(dict(
@@ -285,7 +288,8 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
 
 
 def launch_plan(plan: GroupedPlan, hidden_states, topk_weights, topk_ids, weights, scratch, out,
-                stamps: Optional[Dict[str, torch.Tensor]] = None, sort_scratch: Optional[torch.Tensor] = None) -> list:
+                stamps: Optional[Dict[str, torch.Tensor]] = None, sort_scratch: Optional[torch.Tensor] = None,
+                id_flag: Optional[torch.Tensor] = None) -> list:
     """Run ``plan`` into ``out`` [M, K]; return what each launch returned (its compiled kernel on a GPU).
 
     ``weights`` is an ``awq.AwqMoeWeights``; ``scratch`` holds the workspace regions as
@@ -294,6 +298,7 @@ def launch_plan(plan: GroupedPlan, hidden_states, topk_weights, topk_ids, weight
     ``row_outputs`` [M * k, K]. topk_ids and topk_weights contiguous [M, k]. ``stamps``: the
     int64 buffers of a timeline plan, named and shaped as ``plan.timeline_shapes``. ``sort_scratch``:
     int32, at least ``plan.sort_numel`` (allocated here when the plan sorts and none is given).
+    ``id_flag``: the debug mode's int32 device flag, for a plan built with ``check_ids``.
     """
     if plan.num_arrivals > scratch.combine_arrivals.numel():
         raise ValueError(f"grouped_decode: {plan.num_arrivals} combine counters needed, the workspace holds "
@@ -319,6 +324,7 @@ def launch_plan(plan: GroupedPlan, hidden_states, topk_weights, topk_ids, weight
         "w13_stamps": (stamps or {}).get("w13_stamps") if plan.timeline else None,
         "w2_stamps": (stamps or {}).get("w2_stamps") if plan.timeline else None,
         **{name: None for name in GROUP_ARGS},
+        "id_flag": _checked_flag(id_flag, _checks_ids(plan.launches)),
         # the W2 over groups' 16-bit activations: the fp32 activations region's first half
         "act16": scratch.activations.view(-1)[: plan.rows * plan.intermediate_size // 2].view(plan.dtype).view(
             plan.rows, plan.intermediate_size),
@@ -331,6 +337,16 @@ def launch_plan(plan: GroupedPlan, hidden_states, topk_weights, topk_ids, weight
         values.update(rows=plan.rows, num_blocks=triton.cdiv(plan.rows, expert_sort.BLOCK_ROWS),
                       max_groups=plan.max_groups, **_region_views(plan.sort_regions, sort_scratch, plan.dtype))
     return _run(plan.launches, values)
+
+
+def _checks_ids(launches) -> bool:
+    return any(dict(launch.constexprs).get("CHECK_IDS") for launch in launches)
+
+
+def _checked_flag(id_flag: Optional[torch.Tensor], needed: bool) -> Optional[torch.Tensor]:
+    if needed and (id_flag is None or id_flag.dtype != torch.int32 or id_flag.numel() < 1):
+        raise ValueError("a plan built with check_ids needs its int32 device flag (id_flag)")
+    return id_flag if needed else None
 
 
 def _run(launches, values) -> list:
@@ -387,9 +403,10 @@ def _layout(regions_spec, offset: int = 0):
 GROUP_ROWS = 8
 
 
-def _sort_stage(M: int, top_k: int, E: int, group_rows: int):
+def _sort_stage(M: int, top_k: int, E: int, group_rows: int, check_ids: bool = False):
     """The sort's four launches (expert_sort.py) for M tokens into groups of ``group_rows``, with
-    their scratch regions: (launches, regions, int32 elements, max groups)."""
+    their scratch regions: (launches, regions, int32 elements, max groups); ``check_ids``: its
+    first launch flags ids outside [0, E) (the debug mode)."""
     rows = M * top_k
     block = expert_sort.BLOCK_ROWS
     num_blocks = triton.cdiv(rows, block)
@@ -406,8 +423,9 @@ def _sort_stage(M: int, top_k: int, E: int, group_rows: int):
         ("sorted_rows", (rows,), False),
     ))
     launches = (
-        Launch("sort_ranks", "sort", expert_sort.ranks_kernel, (num_blocks,), ("topk_ids", "rows", "ranks", "block_counts"),
-               _items(dict(E=E, E_PAD=e_pad, BLOCK=block)), _items({"num_warps": 4}), False),
+        Launch("sort_ranks", "sort", expert_sort.ranks_kernel, (num_blocks,),
+               ("topk_ids", "rows", "ranks", "block_counts", "id_flag"),
+               _items(dict(E=E, E_PAD=e_pad, BLOCK=block, CHECK_IDS=check_ids)), _items({"num_warps": 4}), False),
         Launch("sort_prefix", "sort", expert_sort.prefix_kernel, (e_pad // expert_sort.EXPERT_BLOCK,),
                ("block_counts", "num_blocks", "expert_totals"),
                _items(dict(E_PAD=e_pad, NB_PAD=nb_pad, EXPERTS=expert_sort.EXPERT_BLOCK)),
@@ -425,21 +443,22 @@ def _sort_stage(M: int, top_k: int, E: int, group_rows: int):
 
 
 def prefill_plan(num_tokens: int, top_k: int, num_experts: int, hidden_size: int, intermediate_size: int,
-                 group_size: int, dtype: torch.dtype, capability: Tuple[int, int], config: PrefillConfig) -> PrefillPlan:
-    """The plan of one prefill-route call (cached)."""
+                 group_size: int, dtype: torch.dtype, capability: Tuple[int, int], config: PrefillConfig,
+                 check_ids: bool = False) -> PrefillPlan:
+    """The plan of one prefill-route call (cached); ``check_ids``: the sort flags ids outside [0, E)."""
     return _prefill_plan(num_tokens, top_k, num_experts, hidden_size, intermediate_size, group_size, dtype,
-                         tuple(capability), config)
+                         tuple(capability), config, check_ids)
 
 
 @functools.lru_cache(maxsize=1024)
-def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig) -> PrefillPlan:
+def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig, check_ids: bool) -> PrefillPlan:
     _check_capability("prefill", capability)
     if G % CHUNK_ROWS.value or N % CHUNK_ROWS.value or K % CHUNK_ROWS.value:
         raise ValueError(f"prefill: group size {G}, intermediate size {N} and hidden size {K} must be multiples of "
                          f"{CHUNK_ROWS.value} (the tensor-core chunk)")
     rows = M * top_k
     is_bf16 = dtype == torch.bfloat16
-    sort_launches, sort_regions, sort_numel, max_groups = _sort_stage(M, top_k, E, config.group_rows)
+    sort_launches, sort_regions, sort_numel, max_groups = _sort_stage(M, top_k, E, config.group_rows, check_ids)
     gemm_regions, offset = _layout((("act16", (rows, N), True), ("row_out16", (rows, K), True)), sort_numel)
     regions = sort_regions + gemm_regions
     launches = (
@@ -490,9 +509,9 @@ def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig) -
 
 
 def launch_prefill(plan: PrefillPlan, hidden_states, topk_weights, topk_ids, weights, scratch: torch.Tensor,
-                   out) -> list:
+                   out, id_flag: Optional[torch.Tensor] = None) -> list:
     """Run a prefill ``plan`` into ``out`` [M, K] with ``scratch`` (int32, >= plan.scratch_numel);
-    topk_ids and topk_weights contiguous [M, k]."""
+    topk_ids and topk_weights contiguous [M, k]; ``id_flag`` as launch_plan's."""
     if scratch.numel() < plan.scratch_numel or scratch.dtype != torch.int32:
         raise ValueError(f"prefill: the scratch must be int32 of at least {plan.scratch_numel} elements")
     rows = plan.rows
@@ -503,5 +522,6 @@ def launch_prefill(plan: PrefillPlan, hidden_states, topk_weights, topk_ids, wei
         "w13_qweight": weights.w13_qweight, "w13_scales": weights.w13_scales, "w13_qzeros": weights.w13_qzeros,
         "w2_qweight": weights.w2_qweight, "w2_scales": weights.w2_scales, "w2_qzeros": weights.w2_qzeros,
         **plan.scratch_views(scratch),
+        "id_flag": _checked_flag(id_flag, _checks_ids(plan.launches)),
     }
     return _run(plan.launches, values)

@@ -38,10 +38,11 @@ if AVAILABLE:
     def _w13_gluon(
         x_ptr, stride_xm, ids_ptr, num_experts, qweight_ptr, scales_ptr, qzeros_ptr, partials_ptr, rows, arrivals_ptr,
         num_arrivals, timeline_ptr, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr,
-        num_groups_ptr,
+        num_groups_ptr, id_flag_ptr,
         TOP_K: gl.constexpr, K: gl.constexpr, TWO_N: gl.constexpr, G: gl.constexpr, CHUNKS: gl.constexpr,
         CHUNKS_PAD: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr, ARRIVALS_PAD: gl.constexpr,
         IS_BF16: gl.constexpr, USE_PDL: gl.constexpr, TIMELINE: gl.constexpr, OVER_GROUPS: gl.constexpr = False,
+        CHECK_IDS: gl.constexpr = False,
     ):
         """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols]
         (one warp; program 1 + (row * SPLITS + s) * TILES + tile, as w13_tl's)."""
@@ -75,8 +76,11 @@ if AVAILABLE:
         else:
             row = work // (TILES * SPLITS)
             expert = gl.load(ids_ptr + row)
+            valid = (expert >= 0) & (expert < num_experts)
+            if CHECK_IDS:  # the debug mode's flag, once per row
+                gl.store(id_flag_ptr, 1, mask=(~valid) & (work % (TILES * SPLITS) == 0))
             # an id outside [0, E) reads expert 0 (never out of bounds); W2 zeroes that row's output
-            expert = gl.where((expert >= 0) & (expert < num_experts), expert, 0).to(gl.int64)
+            expert = gl.where(valid, expert, 0).to(gl.int64)
             token = (row // TOP_K).to(gl.int64)
         k_first = split * SPLIT_ROWS
 

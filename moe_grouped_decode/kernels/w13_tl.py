@@ -40,10 +40,11 @@ def _w13_tl(
     arrivals_ptr, num_arrivals,
     timeline_ptr,
     sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, num_groups_ptr,
+    id_flag_ptr,
     TOP_K: tl.constexpr, K: tl.constexpr, TWO_N: tl.constexpr, G: tl.constexpr,
     CHUNKS: tl.constexpr, WARPS: tl.constexpr, SPLITS: tl.constexpr,
     ARRIVALS_PAD: tl.constexpr, IS_BF16: tl.constexpr, USE_PDL: tl.constexpr, TIMELINE: tl.constexpr,
-    OVER_GROUPS: tl.constexpr = False,
+    OVER_GROUPS: tl.constexpr = False, CHECK_IDS: tl.constexpr = False,
 ):
     """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols]."""
     let_next_launch_start(USE_PDL)
@@ -78,8 +79,11 @@ def _w13_tl(
     else:
         row = work // (TILES * SPLITS)
         expert = tl.load(ids_ptr + row)
+        valid = (expert >= 0) & (expert < num_experts)
+        if CHECK_IDS:  # the debug mode's flag, once per row
+            tl.store(id_flag_ptr, 1, mask=(~valid) & (work % (TILES * SPLITS) == 0))
         # an id outside [0, E) reads expert 0 (never out of bounds); W2 zeroes that row's output
-        expert = tl.where((expert >= 0) & (expert < num_experts), expert, 0).to(tl.int64)
+        expert = tl.where(valid, expert, 0).to(tl.int64)
         token = (row // TOP_K).to(tl.int64)
         column_ok = g == 0
     word = tile * TILE_WORDS + g

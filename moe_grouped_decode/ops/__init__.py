@@ -4,7 +4,8 @@ Importing this package registers ``torch.ops.moe_grouped_decode.awq_moe_dense``,
 ``.awq_moe_grouped_decode`` and ``.awq_moe_routed`` (route chosen from M at run time).
 """
 
-from .cuda import grouped_plan_for, launch_grouped, launch_prefill, prefill_plan_for, warmup  # registers the CUDA implementations
+from .cuda import (grouped_plan_for, ids_flag, launch_grouped, launch_prefill, prefill_plan_for,  # registers the CUDA
+                   raise_on_flagged_ids, warmup)  # implementations
 from .awq_moe import awq_moe_dense, awq_moe_grouped_decode, check_moe_args, compact_rows
 from .routed import awq_moe_routed
 from .reference import ErrorStats, Segments, error_stats, reference_moe, reference_segments
@@ -17,6 +18,8 @@ __all__ = [
     "check_moe_args",
     "compact_rows",
     "grouped_plan_for",
+    "ids_flag",
+    "raise_on_flagged_ids",
     "launch_grouped",
     "launch_prefill",
     "prefill_plan_for",

@@ -9,7 +9,7 @@ CUDA-graph capture.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
 
@@ -35,20 +35,67 @@ def grouped_plan_for(hidden_states, topk_ids, weights: AwqMoeWeights, config=Non
     shape = layer_shape(hidden_states, topk_ids, weights)
     device = hidden_states.device
     config = (config or plan.config_for(shape, hidden_states.dtype, M, device)).fitted(K)
+    options.setdefault("check_ids", env.check_ids())
     return plan.grouped_plan(M, shape[1], K, shape[3], shape[4], hidden_states.dtype, cuda_capability(device),
                              config, num_experts=shape[0], **options)
 
 
 def launch_grouped(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights, workspace, out, config=None,
-                   stamps=None, sort_scratch=None, **options) -> list:
+                   stamps=None, sort_scratch=None, id_flag=None, **options) -> list:
     """Launch the grouped decode into ``out`` (no checks; a config over the sort's groups
     allocates the sort's scratch unless ``sort_scratch`` is given); ``config`` overrides the
     tuned/table launch config (benchmarks and the tuner), ``options`` and ``stamps`` are the
-    plan's lab switches and the timeline's buffers. Returns the launches' compiled kernels."""
+    plan's lab switches and the timeline's buffers; ``id_flag``: the debug mode's device flag
+    (``id_flag``, here when None). Returns the launches' compiled kernels."""
     grouped = grouped_plan_for(hidden_states, topk_ids, weights, config, **options)
     views = workspace_views(workspace, grouped.rows, grouped.hidden_size, grouped.intermediate_size)
+    if id_flag is None and any(dict(launch.constexprs).get("CHECK_IDS") for launch in grouped.launches):
+        id_flag = ids_flag(hidden_states.device)
     return plan.launch_plan(grouped, hidden_states, topk_weights.contiguous(), topk_ids.contiguous(), weights, views,
-                            out, stamps, sort_scratch)
+                            out, stamps, sort_scratch, id_flag)
+
+
+# --------------------------------------------------------------------------- the ids debug mode
+
+_ID_FLAGS: Dict[torch.device, torch.Tensor] = {}
+
+
+def ids_flag(device) -> torch.Tensor:
+    """The debug mode's int32 flag on ``device`` (MOE_GROUPED_DECODE_CHECK_IDS): the kernels set it
+    to 1 when a routed id is outside [0, E). Allocated zeroed at its first use, which vLLM's warmup
+    makes before any CUDA-graph capture (a flag first made inside a capture would be re-zeroed by
+    every replay)."""
+    device = torch.device(device)
+    flag = _ID_FLAGS.get(device)
+    if flag is None:
+        flag = _ID_FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag
+
+
+def raise_on_flagged_ids(device=None) -> None:
+    """Raise (and clear the flag) if a kernel has seen a routed id outside [0, E) on ``device`` (every
+    device with a flag when None) since the last check. Reads the flag on the host: a sync."""
+    for flag_device, flag in list(_ID_FLAGS.items()):
+        if device is not None and flag_device != torch.device(device):
+            continue
+        if int(flag.item()):
+            flag.zero_()
+            raise ValueError(f"moe_grouped_decode: a routed id outside [0, num_experts) reached the kernels on "
+                             f"{flag_device} (its slot contributed nothing to its token); check the router's topk_ids "
+                             f"or the layer's expert map ({env.CHECK_IDS_ENV} is on)")
+
+
+def _checked_call(op_name: str, device, launch) -> None:
+    """Run ``launch()``; in the debug mode check the flag before and after it, outside a capture."""
+    if not env.check_ids() or torch.cuda.is_current_stream_capturing():
+        launch()
+        return
+    raise_on_flagged_ids(device)
+    launch()
+    try:
+        raise_on_flagged_ids(device)
+    except ValueError as error:
+        raise ValueError(f"{op_name}: {error}") from None
 
 
 @awq_moe_grouped_decode.register_kernel("cuda")
@@ -59,11 +106,13 @@ def _awq_moe_grouped_decode_cuda(hidden_states, topk_weights, topk_ids, *weight_
     out = torch.empty_like(hidden_states)
     if hidden_states.shape[0] == 0:
         return out
-    launch_grouped(hidden_states.contiguous(), topk_weights, topk_ids, weights, workspace, out)
+    _checked_call("awq_moe_grouped_decode", hidden_states.device, lambda: launch_grouped(
+        hidden_states.contiguous(), topk_weights, topk_ids, weights, workspace, out))
     return out
 
 
-def prefill_plan_for(hidden_states, topk_ids, weights: AwqMoeWeights, config=None) -> plan.PrefillPlan:
+def prefill_plan_for(hidden_states, topk_ids, weights: AwqMoeWeights, config=None,
+                     check_ids: Optional[bool] = None) -> plan.PrefillPlan:
     """The launch plan of one prefill-route call: ``config``, or the one the op runs (in
     batch-invariant mode one config at every M)."""
     M, K = hidden_states.shape
@@ -73,19 +122,24 @@ def prefill_plan_for(hidden_states, topk_ids, weights: AwqMoeWeights, config=Non
         config = kernel_config.BATCH_INVARIANT_PREFILL
     config = config or kernel_config.prefill_config(shape, device_name(hidden_states.device),
                                                     plan.DTYPE_NAMES[hidden_states.dtype], M)
-    return plan.prefill_plan(M, k, E, K, N, G, hidden_states.dtype, cuda_capability(hidden_states.device), config)
+    check_ids = env.check_ids() if check_ids is None else check_ids
+    return plan.prefill_plan(M, k, E, K, N, G, hidden_states.dtype, cuda_capability(hidden_states.device), config,
+                             check_ids)
 
 
 def launch_prefill(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights, out, config=None,
-                   scratch: Optional[torch.Tensor] = None) -> list:
+                   scratch: Optional[torch.Tensor] = None, id_flag: Optional[torch.Tensor] = None,
+                   check_ids: Optional[bool] = None) -> list:
     """Launch the prefill route into ``out``: the routed rows sorted by expert on the device, each
     expert's weights read once per group of rows (kernels/prefill.py). ``scratch`` (int32, at
     least the plan's ``scratch_numel``) is allocated here when not given."""
-    prefill = prefill_plan_for(hidden_states, topk_ids, weights, config)
+    prefill = prefill_plan_for(hidden_states, topk_ids, weights, config, check_ids)
     if scratch is None:
         scratch = torch.empty(prefill.scratch_numel, dtype=torch.int32, device=hidden_states.device)
+    if id_flag is None and any(dict(launch.constexprs).get("CHECK_IDS") for launch in prefill.launches):
+        id_flag = ids_flag(hidden_states.device)
     return plan.launch_prefill(prefill, hidden_states, topk_weights.contiguous(), topk_ids.contiguous(), weights,
-                               scratch, out)
+                               scratch, out, id_flag)
 
 
 @awq_moe_dense.register_kernel("cuda")
@@ -95,7 +149,8 @@ def _awq_moe_dense_cuda(hidden_states, topk_weights, topk_ids, *weight_args):
     out = torch.empty_like(hidden_states)
     if hidden_states.shape[0] == 0:
         return out
-    launch_prefill(hidden_states.contiguous(), topk_weights, topk_ids, weights, out)
+    _checked_call("awq_moe_dense", hidden_states.device, lambda: launch_prefill(
+        hidden_states.contiguous(), topk_weights, topk_ids, weights, out))
     return out
 
 
