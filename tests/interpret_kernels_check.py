@@ -104,12 +104,14 @@ def run_grouped(weights, x, tw, ids, config: GroupedConfig):
 def check_over_groups(name: str, weights, x, tw, ids, config: GroupedConfig, out, views) -> None:
     """Both GEMMs over the sort's groups give the per-row programs' bits: outputs and the row
     outputs of ids in [0, E) (the others are in no group: left poison, and the combine skips them)."""
-    over, over_views = run_grouped(weights, x, tw, ids, dataclasses.replace(config, w13_over_groups=True))
     valid = ((ids >= 0) & (ids < weights.num_experts)).flatten()
-    same = torch.equal(over, out) and torch.equal(over_views.row_outputs[valid], views.row_outputs[valid])
-    print(f"{'ok  ' if same else 'FAIL'} {name}: W13 over groups, the same bits", flush=True)
-    if not same:
-        sys.exit(1)
+    for blocks in (1, 2):  # groups of 8 and of 16 rows
+        over, over_views = run_grouped(weights, x, tw, ids, dataclasses.replace(config, w13_over_groups=True,
+                                                                                group_blocks=blocks))
+        same = torch.equal(over, out) and torch.equal(over_views.row_outputs[valid], views.row_outputs[valid])
+        print(f"{'ok  ' if same else 'FAIL'} {name}: over groups of {8 * blocks} rows, the same bits", flush=True)
+        if not same:
+            sys.exit(1)
 
 
 def check_row_outputs(name: str, weights, x, ids, views, act_split: bool) -> None:

@@ -95,6 +95,8 @@ def test_untabled_counts_run_over_the_sorts_groups_from_the_threshold(family):
     (dict(w2_copy_ahead=0), "must be at least 1, got 0"),
     (dict(w2_copy_ahead=-1), "must be at least 1, got -1"),  # would index before the first chunk
     (dict(w13_over_groups=True, w2_act_split=True), "needs w2_act_split=False"),  # W2 over groups rounds once
+    (dict(group_blocks=2), "2 only over the sort's groups"),  # per routed row there is one token
+    (dict(w13_over_groups=True, group_blocks=3), "group_blocks must be 1 or 2"),
 ])
 def test_contradictory_configs_are_refused(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -283,6 +285,13 @@ def test_a_plan_over_the_sorts_groups(capability, w13):
         plan.grouped_plan(M, *SHAPE[1:], torch.float16, capability, cfg.fitted(K))
     per_row = qwen_plan(M, GroupedConfig(), capability)
     assert per_row.sort_numel == 0 and not dict(per_row.launch_for("w13").constexprs)["OVER_GROUPS"]
+    # 16-row groups: the sort's T, W13's two B operands and W2's two token blocks follow
+    wide = plan.grouped_plan(M, *SHAPE[1:], torch.float16, capability,
+                             GroupedConfig(w13_over_groups=True, group_blocks=2).fitted(K), num_experts=E)
+    assert wide.max_groups == 640 // 16 + E
+    assert dict(next(l for l in wide.launches if l.name == "sort_groups").constexprs)["T"] == 16
+    assert dict(wide.launch_for("w13").constexprs)["GROUP_BLOCKS"] == 2
+    assert dict(next(l for l in wide.launches if l.name == "w2_prefill").constexprs)["TOKEN_BLOCKS"] == 2
 
 
 @pytest.mark.parametrize("over_groups", [False, True])

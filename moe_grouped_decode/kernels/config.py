@@ -32,7 +32,7 @@ TABLE_DIR = Path(__file__).resolve().parent / "configs"
 
 # Part of the tuning cache's file name: a kernel change that moves the timings bumps it, so
 # configs tuned for older kernels are not read back.
-KERNELS_VERSION = "v14"
+KERNELS_VERSION = "v15"
 
 # The default config's W13 runs over the sort's groups from this many tokens (the table's entries
 # name their own): below it the sort's four launches cost more than the rows sharing experts save.
@@ -75,6 +75,9 @@ class GroupedConfig:
     # (prefill.py's, 4 warps) and the combine as launches of their own; the same bits. The W2
     # fields above then go unused
     w13_over_groups: bool = False
+    # over groups: 8-row B operands per program (groups of 8 or 16 rows; 2 dequantizes each A
+    # fragment once for both); 1 otherwise
+    group_blocks: int = 1
 
     def __post_init__(self) -> None:
         for field, value in (("w13_kernel", self.w13_kernel), ("w2_kernel", self.w2_kernel)):
@@ -85,6 +88,9 @@ class GroupedConfig:
                              f"w13_warps={self.w13_warps}, w13_ring_stages={self.w13_ring_stages}")
         if self.w2_kernel == "gluon" and not self.fused_combine:
             raise ValueError("the Gluon W2 fuses the combine: w2_kernel='gluon' needs fused_combine=True")
+        if self.group_blocks not in (1, 2) or (self.group_blocks == 2 and not self.w13_over_groups):
+            raise ValueError(f"group_blocks must be 1 or 2, and 2 only over the sort's groups (w13_over_groups), got "
+                             f"{self.group_blocks}")
         if self.w13_over_groups and self.w2_act_split:
             raise ValueError("W2 over the sort's groups rounds its activations to one half: w13_over_groups=True "
                              "needs w2_act_split=False")

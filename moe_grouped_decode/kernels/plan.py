@@ -226,7 +226,8 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
     launches = []
     sort_regions, sort_numel, groups = (), 0, 0
     if config.w13_over_groups:
-        sort_launches, sort_regions, sort_numel, groups = _sort_stage(M, top_k, E, GROUP_ROWS, check_ids)
+        sort_launches, sort_regions, sort_numel, groups = _sort_stage(M, top_k, E, GROUP_ROWS * config.group_blocks,
+                                                                      check_ids)
         if "sort" in stages:
             launches.extend(sort_launches)
         num_arrivals = arrivals_pad = 0
@@ -235,7 +236,7 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
         grid = (1 + programs * splits * (2 * N // 8 // TILE_WORDS.value),)
         common = dict(TOP_K=top_k, K=K, TWO_N=2 * N, G=G, CHUNKS=config.w13_chunks, SPLITS=splits,
                       ARRIVALS_PAD=arrivals_pad, IS_BF16=is_bf16, USE_PDL=use_pdl, TIMELINE=timeline,
-                      OVER_GROUPS=config.w13_over_groups,
+                      OVER_GROUPS=config.w13_over_groups, GROUP_BLOCKS=config.group_blocks,
                       CHECK_IDS=check_ids and not config.w13_over_groups)  # over groups the sort flags
         if w13_on_gluon:
             kernel = w13_gluon.w13_gluon_kernel_max_carveout if carveout else w13_gluon.w13_gluon_kernel
@@ -255,7 +256,8 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
                                    False))
             launches.append(Launch("w2_prefill", "w2", prefill.w2_prefill_kernel, (groups, triton.cdiv(K, 64 * 4)),
                                    PREFILL_W2_ARGS[:-1] + ("row_outputs", "rows"),
-                                   _items(dict(K=K, N=N, G=G, WARPS=4, TOKEN_BLOCKS=1, IS_BF16=is_bf16)),
+                                   _items(dict(K=K, N=N, G=G, WARPS=4, TOKEN_BLOCKS=config.group_blocks,
+                                               IS_BF16=is_bf16)),
                                    _items({"num_warps": 4}), False))
         if "combine" in stages:
             launches.append(Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
@@ -399,7 +401,7 @@ def _layout(regions_spec, offset: int = 0):
     return regions, offset
 
 
-# rows per group of the grouped route's W13 over groups: one mma B operand of 8 token columns
+# rows per mma B operand of the grouped route over groups (groups of GROUP_ROWS * group_blocks)
 GROUP_ROWS = 8
 
 

@@ -17,15 +17,16 @@ issues, and this version issues fewer (docs/PERF.md)::
                 awq_mma PTX -> float32 accumulators
       -> partials[s, row, tile's 64 columns]
 
-With OVER_GROUPS the programs run over the on-device sort's groups (up to 8 rows of one
-expert, as ``w13_tl``'s): the group's 8 activation rows are copied per split, row g is column
-g of the B operand, and each column's partials go to its own row (the same bits as per row).
+With OVER_GROUPS the programs run over the on-device sort's groups (up to 8 * GROUP_BLOCKS rows
+of one expert, as ``w13_tl``'s): the group's activation rows are copied per split, row 8 b + g
+is column g of B operand b, and each column's partials go to its own row (the same bits as per
+row).
 
 Program 0 zeroes the W2 launch's combine counters. No interpreter support: where Gluon does
 not run, the plan launches ``w13_tl``.
 """
 
-from .awq_mma import chunk_constraints, chunk_ptx
+from .awq_mma import chunk_constraints, chunk_ptx, tokens_constraints, tokens_ptx
 from .gluon_helpers import AVAILABLE
 from .timeline import W13_SM_SLOT, W13_STAMP_COUNT
 
@@ -42,7 +43,7 @@ if AVAILABLE:
         TOP_K: gl.constexpr, K: gl.constexpr, TWO_N: gl.constexpr, G: gl.constexpr, CHUNKS: gl.constexpr,
         CHUNKS_PAD: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr, ARRIVALS_PAD: gl.constexpr,
         IS_BF16: gl.constexpr, USE_PDL: gl.constexpr, TIMELINE: gl.constexpr, OVER_GROUPS: gl.constexpr = False,
-        CHECK_IDS: gl.constexpr = False,
+        GROUP_BLOCKS: gl.constexpr = 1, CHECK_IDS: gl.constexpr = False,
     ):
         """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols]
         (one warp; program 1 + (row * SPLITS + s) * TILES + tile, as w13_tl's)."""
@@ -67,12 +68,12 @@ if AVAILABLE:
         tile = work % TILES
         split = (work // TILES) % SPLITS
         if OVER_GROUPS:
-            group = work // (TILES * SPLITS)
-            if group >= gl.load(num_groups_ptr):
+            group_id = work // (TILES * SPLITS)
+            if group_id >= gl.load(num_groups_ptr):
                 return
-            expert = gl.load(group_expert_ptr + group).to(gl.int64)
-            start = gl.load(group_start_ptr + group)
-            count = gl.load(group_count_ptr + group)
+            expert = gl.load(group_expert_ptr + group_id).to(gl.int64)
+            start = gl.load(group_start_ptr + group_id)
+            count = gl.load(group_count_ptr + group_id)
         else:
             row = work // (TILES * SPLITS)
             expert = gl.load(ids_ptr + row)
@@ -102,12 +103,16 @@ if AVAILABLE:
         s_copy: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
         rows_2d: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         if OVER_GROUPS:
-            # the group's 8 rows' activations of the split: [chunk, row g, 32]
+            # the group's rows' activations of the split: [block b * CHUNKS_PAD + chunk, row g, 32]
+            # holds row 8 b + g (token block b of the mma)
             xg_copy: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [1, 1, 1], [2, 1, 0])
-            xg_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [CHUNKS_PAD, 8, 32],
+            xg_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [GROUP_BLOCKS * CHUNKS_PAD, 8, 32],
                                                 gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-            xgc = gl.arange(0, CHUNKS_PAD, layout=gl.SliceLayout(1, gl.SliceLayout(2, xg_copy)))[:, None, None]
-            xgn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, xg_copy)))[None, :, None]
+            xgi = gl.arange(0, GROUP_BLOCKS * CHUNKS_PAD,
+                            layout=gl.SliceLayout(1, gl.SliceLayout(2, xg_copy)))[:, None, None]
+            xgc = xgi % CHUNKS_PAD
+            xgn = (xgi // CHUNKS_PAD) * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, xg_copy)))[
+                None, :, None]
             xgr = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, xg_copy)))[None, None, :]
             xg_ok = xgn < count
             xg_token = (gl.load(sorted_rows_ptr + start + xgn, mask=xg_ok, other=0) // TOP_K).to(gl.int64)
@@ -135,7 +140,7 @@ if AVAILABLE:
             mask=(zc < CHUNKS) & (k_z < K) & (w >= 0))
         per_chunk: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         if OVER_GROUPS:
-            xg_rows = xg_smem._reinterpret(x_ptr.dtype.element_ty, [CHUNKS_PAD, 8, 32], rows_2d)
+            xg_rows = xg_smem._reinterpret(x_ptr.dtype.element_ty, [GROUP_BLOCKS * CHUNKS_PAD, 8, 32], rows_2d)
         else:
             x_rows = x_smem._reinterpret(x_ptr.dtype.element_ty, [CHUNKS_PAD, 32], per_chunk)
         s_rows = s_smem._reinterpret(scales_ptr.dtype.element_ty, [CHUNKS_PAD, 64], per_chunk)
@@ -157,6 +162,8 @@ if AVAILABLE:
         fill = gl.zeros([8, 4, 8], gl.int32, layout=frag)
         acc_lo = gl.zeros([8, 4, 8], gl.float32, layout=frag)
         acc_hi = gl.zeros([8, 4, 8], gl.float32, layout=frag)
+        acc1_lo = acc_lo
+        acc1_hi = acc_lo
         for c in gl.static_range(CHUNKS):
             async_copy.wait_group(STAGES - 1)
             # [32 (q), 8 (g)] -> [2 (e // 4), 4 (e % 4), 4 (t), 8 (g)] -> [g, t, e // 4, e % 4] -> [g, t, e]
@@ -167,6 +174,9 @@ if AVAILABLE:
             if OVER_GROUPS:
                 # column g: row g's x at row 16 (e // 4) + 4 t + e % 4: [8, 32] -> [g, 2, 4 (t), 4] -> [g, t, e]
                 x = xg_rows.index(c).reshape([8, 2, 4, 4]).permute([0, 2, 1, 3]).reshape([8, 4, 8]).load(frag)
+                if GROUP_BLOCKS == 2:
+                    x1 = xg_rows.index(CHUNKS_PAD + c).reshape([8, 2, 4, 4]).permute([0, 2, 1, 3]).reshape(
+                        [8, 4, 8]).load(frag)
             else:
                 x_te = x_rows.index(c).reshape([2, 4, 4]).permute([1, 0, 2]).reshape([4, 8]).load(
                     gl.SliceLayout(0, frag))
@@ -177,6 +187,8 @@ if AVAILABLE:
                 # nothing): zero its activations and scales
                 chunk_ok = k_first + c * 32 < K
                 x = gl.where(chunk_ok, x, 0.0)
+                if OVER_GROUPS and GROUP_BLOCKS == 2:
+                    x1 = gl.where(chunk_ok, x1, 0.0)
                 scales_ge = gl.where(chunk_ok, scales_ge, 0.0)
             scales = gl.broadcast(gl.expand_dims(scales_ge, 1), fill)[0]
             zeros = gl.broadcast(gl.expand_dims(gl.expand_dims(
@@ -190,9 +202,16 @@ if AVAILABLE:
                         ring.index(c % STAGES), src + (c + STAGES) * 32 * PACKED_N,
                         mask=(k_first + (c + STAGES) * 32 + chunk_row < K) & (w >= 0))
             async_copy.commit_group()
-            d_lo, d_hi = gl.inline_asm_elementwise(chunk_ptx(IS_BF16, False, False), chunk_constraints(False),
-                                                   [words, x, scales, zeros],
-                                                   dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
+            if OVER_GROUPS and GROUP_BLOCKS == 2:
+                d_lo, d_hi, d1_lo, d1_hi = gl.inline_asm_elementwise(
+                    tokens_ptx(IS_BF16, 2), tokens_constraints(2), [words, x, x1, scales, zeros],
+                    dtype=(gl.float32,) * 4, is_pure=True, pack=8)
+                acc1_lo += d1_lo
+                acc1_hi += d1_hi
+            else:
+                d_lo, d_hi = gl.inline_asm_elementwise(chunk_ptx(IS_BF16, False, False), chunk_constraints(False),
+                                                       [words, x, scales, zeros],
+                                                       dtype=(gl.float32, gl.float32), is_pure=True, pack=8)
             acc_lo += d_lo
             acc_hi += d_hi
         # awq_mma.chunk_columns: element 4 j + c is column 2 j + c // 2 (d_lo, j = 0, 1; d_hi +4)
@@ -208,6 +227,13 @@ if AVAILABLE:
         out_base = partials_ptr + (split * rows + out_row) * TWO_N
         gl.store(out_base + cols, acc_lo, mask=keep)
         gl.store(out_base + cols + 4, acc_hi, mask=keep)
+        if OVER_GROUPS and GROUP_BLOCKS == 2:
+            slot1 = 8 + 2 * t + e % 2 + g * 0
+            keep1 = slot1 < count
+            out_base1 = partials_ptr + (split * rows + gl.load(sorted_rows_ptr + start + slot1, mask=keep1,
+                                                               other=0)) * TWO_N
+            gl.store(out_base1 + cols, acc1_lo, mask=keep1)
+            gl.store(out_base1 + cols + 4, acc1_hi, mask=keep1)
         if TIMELINE:
             gl.store(timeline_ptr + pid * W13_STAMP_COUNT + 1, now())
 
