@@ -7,7 +7,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import moe_grouped_decode  # noqa: F401  (registers the ops)
 from moe_grouped_decode.awq import AwqMoeWeights, synthetic_for_contract, synthetic_moe_weights
 from moe_grouped_decode.contract import QWEN38_TP4
-from moe_grouped_decode.ops import alloc_workspace, compact_rows, error_stats, reference_moe, reference_segments
+from moe_grouped_decode.ops import (alloc_workspace, compact_rows, error_stats, reference_moe, reference_segments,
+                                   workspace_views)
 
 OPS = torch.ops.moe_grouped_decode
 SCALED_MAX_ABS_BOUND = 2e-3  # fp16 evidence bound: max|out - ref| <= 2e-3 * max|ref|
@@ -143,6 +144,80 @@ def test_repeat_runs_and_batch_position_are_bit_identical():
     assert torch.equal(alone[0], first[2])
 
 
+# --------------------------------------------------------------------------- ids outside [0, E)
+
+OUTSIDE_IDS = [-1, E, 2**30]  # vLLM's mark for an expert on another rank; the first id past the layer; far past it
+
+
+def with_ids_outside(m, bad, dtype=torch.float16, id_dtype=torch.int32, seed=0):
+    """make_args with some slots routed to ``bad`` and weighted NaN: every other token loses slot 1,
+    and (M > 1) the last token has no expert of this layer at all. Returns (args, outside mask)."""
+    x, tw, ids, *weights = make_args(m, dtype=dtype, id_dtype=id_dtype, seed=seed)
+    outside = torch.zeros(ids.shape, dtype=torch.bool)
+    outside[::2, 1] = True
+    if m > 1:
+        outside[-1] = True
+    return (x, tw.masked_fill(outside, float("nan")), ids.masked_fill(outside, bad), *weights), outside
+
+
+def reference_without(args, outside):
+    """The reference on the slots' own routing with the outside slots weighted 0 and their ids clamped
+    into [0, E): what the CUDA tests compare with, independent of how the reference treats such ids."""
+    x, tw, ids, *weights = args
+    return reference_moe(x, tw.masked_fill(outside, 0.0), ids.clamp(0, E - 1), AwqMoeWeights(*weights))
+
+
+@pytest.mark.parametrize("bad", OUTSIDE_IDS, ids=["minus1", "E", "huge"])
+@pytest.mark.parametrize("m", [1, 4, 9])
+@pytest.mark.parametrize("dtype,id_dtype", [(torch.float16, torch.int32), (torch.bfloat16, torch.int64)],
+                         ids=["fp16-int32", "bf16-int64"])
+def test_ids_outside_the_experts_contribute_nothing(bad, m, dtype, id_dtype):
+    """Under expert parallelism vLLM gives an expert on another rank the id -1: such a slot, or any
+    id outside [0, E), adds nothing to its token whatever its weight (NaN here), raises nothing,
+    and leaves the other slots' bits as they were; on all three ops, the workspace poisoned."""
+    args, outside = with_ids_outside(m, bad, dtype, id_dtype, seed=20 + m)
+    x, tw, ids, *weights = args
+    ref = reference_without(args, outside)
+    assert torch.equal(reference_moe(x, tw, ids, AwqMoeWeights(*weights)), ref)  # the reference's own rule
+    workspace = alloc_workspace(9, 3, K, N, "cpu")
+    workspace.fill_(-1)  # poison: NaN as float32
+    dense = OPS.awq_moe_dense(*args)
+    grouped = OPS.awq_moe_grouped_decode(*args, workspace)
+    rows = workspace_views(workspace, m * 3, K, N).row_outputs.view(m, 3, K)
+    assert (rows[outside] == 0).all()  # as the CUDA kernels leave them
+    routed = OPS.awq_moe_routed(*args, alloc_workspace(9, 3, K, N, "cpu"), 2, 8)
+    bound = SCALED_MAX_ABS_BOUND * (8 if dtype == torch.bfloat16 else 1)
+    for out in (dense, grouped):
+        stats = error_stats(out, ref)
+        assert not stats.nan and stats.scaled_max_abs <= bound and stats.max_ulp <= 2, stats
+    if m > 1:
+        assert (dense[-1] == 0).all()  # a token with no expert here: exactly nothing
+    assert torch.equal(dense, grouped) and torch.equal(routed, dense)
+    # the slots inside the layer give what they give without the others: the same bits as weight 0
+    # on an in-range id (x + 0 is x)
+    zeroed = (x, tw.masked_fill(outside, 0.0), ids.masked_fill(outside, 0), *weights)
+    assert torch.equal(dense, OPS.awq_moe_dense(*zeroed))
+
+
+@pytest.mark.parametrize("bad", [-1, 2**30], ids=["minus1", "huge"])
+def test_a_rank_holding_none_of_the_routed_experts_gives_zeros(bad):
+    args = make_args(5, seed=6)
+    x, tw, ids, *weights = args
+    ids = torch.full_like(ids, bad)
+    for out in (OPS.awq_moe_dense(x, tw, ids, *weights),
+                OPS.awq_moe_grouped_decode(x, tw, ids, *weights, alloc_workspace(5, 3, K, N, "cpu"))):
+        assert out.dtype == x.dtype and torch.equal(out, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("op", ["dense", "grouped"])
+def test_opcheck_ids_outside_the_experts(op):
+    args, _ = with_ids_outside(4, -1, seed=8)
+    if op == "dense":
+        torch.library.opcheck(OPS.awq_moe_dense.default, args)
+    else:
+        torch.library.opcheck(OPS.awq_moe_grouped_decode.default, (*args, alloc_workspace(4, 3, K, N, "cpu")))
+
+
 # --------------------------------------------------------------------------- compaction
 
 
@@ -201,8 +276,6 @@ BAD_INPUTS = [
     ("hidden-size-mismatch", 0, lambda a: a[0][:, :32], "hidden_states must have shape \\(4, 64\\)"),
     ("group-not-dividing", 9, lambda a: 24, "group_size=24 must divide"),
     ("group-nonpositive", 9, lambda a: 0, "group_size must be a positive int"),
-    ("ids-out-of-range-high", 2, lambda a: torch.full_like(a[2], E), "topk_ids must lie in \\[0, E=8\\)"),
-    ("ids-negative", 2, lambda a: torch.full_like(a[2], -1), "topk_ids must lie in"),
     ("device-mismatch", 1, lambda a: a[1].to("meta"), "topk_weights is on meta"),
 ]
 
@@ -482,3 +555,21 @@ def test_overflow_gives_the_references_inf(op, scale):
     finite = ~ref.isinf()
     if finite.any():  # 1e20: some outputs stay within bf16
         assert error_stats(out[finite], ref[finite].double()).max_ulp <= 1
+
+
+@pytest.mark.parametrize("op", ["dense", "grouped"])
+def test_overflow_recompute_skips_ids_outside_the_experts(op):
+    """The float64 recompute of a non-finite token walks its slots again: one outside the experts
+    (NaN-weighted) must add nothing there either, not index past the weights."""
+    args, outside = with_ids_outside(4, -1, dtype=torch.bfloat16, seed=7)
+    x, tw, ids, *weights = args
+    x = (x.float() * 1e30).to(torch.bfloat16)
+    ref = reference_without((x, tw, ids, *weights), outside).to(torch.bfloat16)
+    assert ref.isinf().any()
+    if op == "dense":
+        out = OPS.awq_moe_dense(x, tw, ids, *weights)
+    else:
+        out = OPS.awq_moe_grouped_decode(x, tw, ids, *weights, alloc_workspace(4, 3, K, N, "cpu"))
+    assert not out.isnan().any()
+    assert torch.equal(out.isinf(), ref.isinf()) and torch.equal(out[ref.isinf()], ref[ref.isinf()])
+    assert (out[-1] == 0).all()

@@ -135,6 +135,15 @@ def test_environ_validator_for_each_release(version):
     assert vllm_compat.environ_validator_for(platform, envs) is validate
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_expert_parallel_spellings_for_each_release(version):
+    """Expert parallelism needs no shim: every release's ``RoutedExperts.expert_map`` returns the
+    -1/local map (``_expert_map``) or, under ROCm AITER only, the 0/1 ``expert_mask`` (which
+    ``unservable_reason`` refuses), and declares every FusedMoEConfig field the method reads."""
+    assert RECORDED[version]["expert_map"] == ["_expert_map", "expert_mask"]
+    assert RECORDED[version]["moe_config_fields"] == list(vllm_api_record.MOE_CONFIG_FIELDS)
+
+
 def test_unshimmed_spellings_are_the_same_in_every_release():
     """What the plugin calls or overrides without a shim; a new release that changes one fails here."""
     shimmed = {"is_layer_skipped", "op_tags", "fused_moe_factory", "validate_environ"}

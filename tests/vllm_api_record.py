@@ -26,6 +26,12 @@ MOE_RUNNER = "vllm/model_executor/layers/fused_moe/runner/moe_runner.py"
 FUSED_MOE_LAYER = "vllm/model_executor/layers/fused_moe/layer.py"
 METHOD_BASE = "vllm/model_executor/layers/fused_moe/fused_moe_method_base.py"
 AUTO_AWQ = "vllm/model_executor/layers/quantization/auto_awq.py"
+ROUTED_EXPERTS = "vllm/model_executor/layers/fused_moe/routed_experts.py"
+MOE_CONFIG = "vllm/model_executor/layers/fused_moe/config.py"
+# the FusedMoEConfig fields the plugin reads (moe_method.py: layer_shape, unservable_reason, the workspace)
+MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "experts_per_token", "hidden_dim",
+                     "intermediate_size_per_partition", "in_dtype", "activation", "has_bias", "is_lora_enabled",
+                     "rocm_aiter_fmoe_enabled", "max_num_tokens")
 PLATFORM = "vllm/platforms/interface.py"
 ENVS = "vllm/envs.py"
 
@@ -58,6 +64,30 @@ def _registered_op_tags(tree: ast.Module) -> Dict[str, List[str]]:
             values = keywords.get("tags")
             tags[op_name] = [element.attr for element in values.elts] if values is not None else []
     return tags
+
+
+def _returned_self_attributes(function: Optional[ast.FunctionDef]) -> List[str]:
+    """The ``self.<name>`` attributes a property can return (either branch of a conditional)."""
+    if function is None:
+        return []
+    names = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Return) and node.value is not None:
+            values = [node.value]
+            while values:
+                value = values.pop()
+                if isinstance(value, ast.IfExp):
+                    values += [value.body, value.orelse]
+                elif isinstance(value, ast.Attribute) and getattr(value.value, "id", None) == "self":
+                    names.add(value.attr)
+    return sorted(names)
+
+
+def _class_fields(tree: ast.Module, cls: str, wanted) -> List[str]:
+    """Which of ``wanted`` the (data)class ``cls`` declares as annotated fields."""
+    scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    declared = {n.target.id for n in scope.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    return [name for name in wanted if name in declared]
 
 
 def _startswith_prefix(function: ast.FunctionDef) -> Optional[str]:
@@ -97,6 +127,10 @@ def record(root) -> dict:
             _function(_parse(root, AUTO_AWQ), "override_quantization_method", cls="AutoAWQConfig")
         ),
         "create_weights": _params(_function(_parse(root, AUTO_AWQ), "create_weights", cls="AutoAWQMoEMethod")),
+        # expert parallelism: apply maps the router's global ids through layer.expert_map, which is
+        # the -1/local map except under ROCm AITER (a 0/1 mask: unservable_reason refuses that)
+        "expert_map": _returned_self_attributes(_function(_parse(root, ROUTED_EXPERTS), "expert_map", cls="RoutedExperts")),
+        "moe_config_fields": _class_fields(_parse(root, MOE_CONFIG), "FusedMoEConfig", MOE_CONFIG_FIELDS),
     }
 
 

@@ -37,7 +37,9 @@ def shared_workspace(max_tokens: int, top_k: int, hidden_size: int, intermediate
 
 
 def layer_shape(moe: FusedMoEConfig, group_size: int) -> LayerShape:
-    """The admission function's view of a vLLM MoE layer (per-rank sizes)."""
+    """The admission function's view of a vLLM MoE layer: what this rank holds. Under expert
+    parallelism that is E / ep experts (``num_local_experts``, the weights' first dim) at the
+    full intermediate size (vLLM's MoE TP size is 1 there), so a contract names the local shape."""
     return LayerShape(
         num_experts=moe.num_local_experts,
         top_k=moe.experts_per_token,
@@ -51,24 +53,60 @@ def layer_shape(moe: FusedMoEConfig, group_size: int) -> LayerShape:
 def unservable_reason(layer, quant_config: AutoAWQConfig) -> Optional[str]:
     """Why the plugin's ops cannot compute this layer exactly, or None when they can.
 
-    The ops implement gated SiLU experts over all E local experts, weights
+    The ops implement gated SiLU experts over the E experts this rank holds, weights
     applied after the experts, AWQ 4-bit with zero points; anything else stays
-    with vLLM.
+    with vLLM. Under expert parallelism ``apply`` maps the router's global ids
+    through the layer's expert map, except where vLLM's ROCm AITER path makes
+    ``layer.expert_map`` a 0/1 mask (vLLM 0.26) instead of global -> local ids.
     """
     moe: FusedMoEConfig = layer.moe_config
+    expert_parallel = moe.num_local_experts != moe.num_experts
     checks = (
         (quant_config.weight_bits == 4, f"{quant_config.weight_bits}-bit weights"),
         (quant_config.zero_point, "no zero points"),
         (moe.in_dtype in ACTIVATION_DTYPES, f"activation dtype {moe.in_dtype}"),
         (moe.activation == MoEActivation.SILU, f"activation {moe.activation}"),
         (not moe.has_bias, "expert biases"),
-        (moe.num_local_experts == moe.num_experts, "expert parallelism (an expert map)"),
+        (not (expert_parallel and moe.rocm_aiter_fmoe_enabled), "expert parallelism under ROCm AITER (an expert mask)"),
         (not layer.apply_router_weight_on_input, "router weights applied on the input"),
         (layer.swiglu_limit is None and layer.swiglu_alpha is None, "a clamped/scaled SwiGLU"),
         (not moe.is_lora_enabled, "LoRA on experts"),
     )
     reasons = [what for ok, what in checks if not ok]
     return ", ".join(reasons) if reasons else None
+
+
+def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
+    """The router's global expert ids as this rank's local ids, int32, on the device (no host sync).
+
+    ``expert_map[g]`` is global expert g's local id, or -1 where another rank holds it; the ops
+    give a -1 slot no contribution. An id outside the map (vLLM's -1 for an unused slot, or any
+    other) must not index it directly: -1 would wrap to the last global expert, which may be
+    local here, and a large id would read out of bounds. Clamped to [-1, n] (n global experts),
+    every such id reads the -1 appended at index n (index -1 of the padded map is that entry).
+    """
+    num_global = expert_map.shape[0]
+    padded = torch.nn.functional.pad(expert_map, (0, 1), value=-1)
+    return padded[topk_ids.clamp(-1, num_global)].to(torch.int32)
+
+
+def check_expert_map(layer, moe: FusedMoEConfig) -> None:
+    """Refuse a layer whose expert map the ops would misread: once, at load (a host read of a
+    small map, before any graph capture). Every global id must have an entry, and the map's
+    non-negative entries must be the local ids 0..E_local-1, each once."""
+    expert_map = layer.expert_map
+    name = getattr(layer, "layer_name", "an MoE layer")
+    if expert_map is None:
+        if moe.num_local_experts != moe.num_experts:
+            raise ValueError(f"{name}: holds {moe.num_local_experts} of {moe.num_experts} experts but has no "
+                             "expert map to turn the router's global ids into local ones")
+        return
+    entries = expert_map.flatten().tolist()
+    local = sorted(e for e in entries if e != -1)
+    if expert_map.dim() != 1 or len(entries) < moe.num_experts or local != list(range(moe.num_local_experts)):
+        raise ValueError(f"{name}: the expert map must give each of the {moe.num_experts} global experts its local "
+                         f"id in 0..{moe.num_local_experts - 1} or -1 (another rank), each local id once; got shape "
+                         f"{tuple(expert_map.shape)} with local ids {local[:8]}{' ...' if len(local) > 8 else ''}")
 
 
 class AwqMoeGroupedDecodeMethod(AutoAWQMoEMethod):
@@ -99,6 +137,7 @@ class AwqMoeGroupedDecodeMethod(AutoAWQMoEMethod):
         self.admission = admission
         self._grouped_route = False
         self.workspace: Optional[torch.Tensor] = None
+        self.workspace_tokens = 0  # the most tokens the workspace holds
 
     @property
     def method_name(self) -> str:
@@ -116,10 +155,12 @@ class AwqMoeGroupedDecodeMethod(AutoAWQMoEMethod):
         # max_num_batched_tokens (no step holds more tokens than that).
         from .startup import layer_loaded, warm_up_kernels
 
+        check_expert_map(layer, self.moe)
         if self.admission:
             contract = self.admission.contract
+            self.workspace_tokens = min(contract.max_tokens, self.moe.max_num_tokens)
             self.workspace = shared_workspace(
-                min(contract.max_tokens, self.moe.max_num_tokens),
+                self.workspace_tokens,
                 contract.top_k,
                 contract.hidden_size,
                 contract.intermediate_size,
@@ -141,6 +182,10 @@ class AwqMoeGroupedDecodeMethod(AutoAWQMoEMethod):
             self._grouped_route = previous
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        expert_map = layer.expert_map
+        if expert_map is not None:
+            # expert parallelism: the router's ids are global, the weights hold this rank's experts
+            topk_ids = local_expert_ids(topk_ids, expert_map)
         weights = (
             layer.w13_qweight,
             layer.w13_scales,
@@ -152,7 +197,10 @@ class AwqMoeGroupedDecodeMethod(AutoAWQMoEMethod):
         )
         # x.shape[0] is a host int here (this branch never runs under tracing),
         # so the choice costs no device sync and is fixed inside a captured graph.
-        if self._grouped_route and admits(self.shape, x.shape[0]):
+        # Data-parallel EP gathers every DP rank's tokens before apply, which can
+        # pass what the workspace was sized for (one engine's max_num_batched_tokens).
+        num_tokens = x.shape[0]
+        if self._grouped_route and num_tokens <= self.workspace_tokens and admits(self.shape, num_tokens):
             return torch.ops.moe_grouped_decode.awq_moe_grouped_decode(
                 x, topk_weights, topk_ids, *weights, self.workspace
             )

@@ -21,6 +21,13 @@ signature in all three):
   ``FusedMoEFactory`` from 0.32 on (the tests build a layer with it).
 * vLLM's check for unknown ``VLLM_*`` variables is ``vllm.envs.validate_environ``
   in 0.26 and ``Platform.validate_environ`` (a classmethod) from 0.32 on.
+
+Expert parallelism needs no shim: ``RoutedExperts.expert_map`` (global id -> local id, -1
+where another rank holds the expert) and the ``FusedMoEConfig`` fields the method reads
+(``num_experts`` global, ``num_local_experts``) are spelled alike in all three. What differs
+is when ``expert_map`` hands back ROCm AITER's 0/1 ``expert_mask`` instead: in 0.26 whenever
+AITER fused MoE is on, from 0.32 on only for a vLLM kernel that consumes it (the plugin's
+method has none); ``moe_method.unservable_reason`` refuses expert parallelism under AITER.
 """
 
 from __future__ import annotations

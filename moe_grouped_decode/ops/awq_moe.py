@@ -4,6 +4,12 @@ Both compute, for M tokens routed to k of E AWQ int4 experts::
 
     out[t] = sum_j topk_weights[t, j] * W2_e( silu(x_t W13_e[:, :N]) * (x_t W13_e[:, N:]) ),  e = topk_ids[t, j]
 
+A routed slot whose id lies outside [0, E) (vLLM's -1 for an expert on another
+rank under expert parallelism, or any other id) contributes nothing to its token and
+raises nothing (vLLM passes such ids on purpose; on CUDA a check would be a host
+sync). Its row output is zero; the CPU implementation, like the CUDA prefill route,
+never reads its weight (the CUDA grouped route multiplies it by that zero row).
+
 The dense op works from metadata over all E experts (the route for C1 and
 prefill). The grouped op touches only the routed experts' weights; its scratch
 lives in ``workspace`` (declared mutated). Each op has a fake kernel beside it
@@ -250,12 +256,10 @@ def check_workspace_disjoint(op: str, workspace: torch.Tensor, tensors: dict) ->
                       "(alloc_workspace)")
 
 
-def check_topk_ids_range(op: str, topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Value check of the routing (reads the data: CPU implementations only)."""
-    if topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= num_experts:
-            _fail(op, f"topk_ids must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
+def routed_slots(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[M, k] bool: the slots whose id names one of the layer's E experts; every other slot
+    contributes nothing to its token (the CUDA kernels' rule)."""
+    return (topk_ids >= 0) & (topk_ids < num_experts)
 
 
 def _expert_rows_forward(x_rows: torch.Tensor, expert: int, weights: AwqMoeWeights):
@@ -288,11 +292,14 @@ def _expert_rows_in_blocks(x_rows: torch.Tensor, expert: int, weights: AwqMoeWei
     return tuple(torch.cat(p)[:rows] for p in zip(*parts))
 
 
-def _combine(row_outputs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * row_out[t*k + j], summed in j order in row_outputs' dtype."""
+def _combine(row_outputs: torch.Tensor, topk_weights: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * row_out[t*k + j] over the routed slots, summed in j order in
+    row_outputs' dtype. A slot outside the experts adds an exact 0 whatever its weight (a NaN
+    weight there must not reach the token)."""
     M, k = topk_weights.shape
+    weights = torch.where(routed, topk_weights, 0).to(row_outputs.dtype)
     # K spelled out: with M = 0 a -1 could be any size
-    weighted = row_outputs.view(M, k, row_outputs.shape[1]) * topk_weights.to(row_outputs.dtype).unsqueeze(-1)
+    weighted = row_outputs.view(M, k, row_outputs.shape[1]) * weights.unsqueeze(-1)
     out = weighted[:, 0]
     for j in range(1, k):
         out = out + weighted[:, j]
@@ -300,7 +307,7 @@ def _combine(row_outputs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Ten
 
 
 def _finish(out: torch.Tensor, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            weights: AwqMoeWeights) -> torch.Tensor:
+            routed: torch.Tensor, weights: AwqMoeWeights) -> torch.Tensor:
     """The float32 result in the activation dtype, tokens whose result is not finite recomputed in float64.
 
     A float32 intermediate can overflow where float64 does not (bf16 inputs of 1e20 and more
@@ -315,11 +322,12 @@ def _finish(out: torch.Tensor, hidden_states: torch.Tensor, topk_weights: torch.
         k = topk_ids.shape[1]
         x = hidden_states[bad].to(torch.float64)
         ids = topk_ids[bad].tolist()
-        row_outputs = torch.empty(bad.numel() * k, out.shape[1], dtype=torch.float64)
+        row_outputs = torch.zeros(bad.numel() * k, out.shape[1], dtype=torch.float64)
         for i, token_ids in enumerate(ids):
             for j, expert in enumerate(token_ids):
-                row_outputs[i * k + j] = _expert_rows_forward(x[i : i + 1], expert, weights)[1][0]
-        result[bad] = _combine(row_outputs, topk_weights[bad]).to(hidden_states.dtype)
+                if 0 <= expert < weights.num_experts:
+                    row_outputs[i * k + j] = _expert_rows_forward(x[i : i + 1], expert, weights)[1][0]
+        result[bad] = _combine(row_outputs, topk_weights[bad], routed[bad]).to(hidden_states.dtype)
     return result
 
 
@@ -342,14 +350,14 @@ def awq_moe_dense(
     """Dense-route AWQ MoE (CPU implementation; CUDA is registered by ops.cuda)."""
     weights = AwqMoeWeights(w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size)
     check_moe_args("awq_moe_dense", hidden_states, topk_weights, topk_ids, weights)
-    check_topk_ids_range("awq_moe_dense", topk_ids, weights.num_experts)
     M, K = hidden_states.shape
     k = topk_ids.shape[1]
     x = hidden_states.to(torch.float32)
+    routed = routed_slots(topk_ids, weights.num_experts)
     flat_ids = topk_ids.flatten().to(torch.int64)
-    row_outputs = torch.zeros(M * k, K, dtype=torch.float32)
+    row_outputs = torch.zeros(M * k, K, dtype=torch.float32)  # a slot outside the experts keeps its 0
     # dense metadata: a row count for every one of the E experts, walked in order
-    counts = torch.bincount(flat_ids, minlength=weights.num_experts).tolist()
+    counts = torch.bincount(flat_ids[routed.flatten()], minlength=weights.num_experts).tolist()
     invariant = batch_invariant()
     for expert, count in enumerate(counts):
         if count == 0:
@@ -359,7 +367,8 @@ def awq_moe_dense(
             _, row_outputs[rows] = _expert_rows_in_blocks(x[rows // k], expert, weights)
         else:
             _, row_outputs[rows] = _expert_rows_forward(x[rows // k], expert, weights)
-    return _finish(_combine(row_outputs, topk_weights), hidden_states, topk_weights, topk_ids, weights)
+    return _finish(_combine(row_outputs, topk_weights, routed), hidden_states, topk_weights, topk_ids, routed,
+                   weights)
 
 
 @awq_moe_dense.register_fake
@@ -398,19 +407,25 @@ def awq_moe_grouped_decode(
     """Compact active-expert AWQ MoE (CPU implementation; CUDA is registered by ops.cuda)."""
     weights = AwqMoeWeights(w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros, group_size)
     check_moe_args("awq_moe_grouped_decode", hidden_states, topk_weights, topk_ids, weights, workspace)
-    check_topk_ids_range("awq_moe_grouped_decode", topk_ids, weights.num_experts)
     M, K = hidden_states.shape
     k = topk_ids.shape[1]
     views = workspace_views(workspace, M * k, K, weights.intermediate_size)
     segments = compact_rows(topk_ids)
+    routed = routed_slots(topk_ids, weights.num_experts)
     x = hidden_states.to(torch.float32)
     offsets = segments.segment_offsets
     for a, expert in enumerate(segments.active_experts):
         rows = torch.tensor(segments.sorted_rows[offsets[a]: offsets[a + 1]], dtype=torch.int64)
+        if not 0 <= expert < weights.num_experts:
+            # no expert of this layer: the rows read no weights and their outputs are 0, as on CUDA
+            views.activations[rows] = 0.0
+            views.row_outputs[rows] = 0.0
+            continue
         act, out = _expert_rows_forward(x[rows // k], expert, weights)
         views.activations[rows] = act
         views.row_outputs[rows] = out
-    return _finish(_combine(views.row_outputs, topk_weights), hidden_states, topk_weights, topk_ids, weights)
+    return _finish(_combine(views.row_outputs, topk_weights, routed), hidden_states, topk_weights, topk_ids, routed,
+                   weights)
 
 
 @awq_moe_grouped_decode.register_fake

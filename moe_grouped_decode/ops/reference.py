@@ -20,7 +20,9 @@ def reference_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_
     """Per-expert dense MoE in float64 (CPU). Returns float64 [M, K].
 
     Loops over the experts that own rows, dequantizes each once (``awq.dequantize``, not the
-    ops' code), and adds ``topk_weights[t, j] * W2(silu(gate) * up)`` for each of its rows.
+    ops' code), and adds ``topk_weights[t, j] * W2(silu(gate) * up)`` for each of its rows. A
+    slot whose id lies outside [0, E) (vLLM's -1 for an expert on another rank) names no
+    expert of the layer: it adds nothing, whatever its weight.
     """
     x = hidden_states.detach().cpu().to(torch.float64)
     routing_weights = topk_weights.detach().cpu().to(torch.float64)
@@ -28,7 +30,7 @@ def reference_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_
     n = weights.intermediate_size
     g = weights.group_size
     out = torch.zeros_like(x)
-    for expert in sorted(set(ids.flatten().tolist())):
+    for expert in sorted(e for e in set(ids.flatten().tolist()) if 0 <= e < weights.num_experts):
         w13 = dequantize(weights.w13_qweight[expert].cpu(), weights.w13_scales[expert].cpu(),
                          weights.w13_qzeros[expert].cpu(), g).to(torch.float64)
         w2 = dequantize(weights.w2_qweight[expert].cpu(), weights.w2_scales[expert].cpu(),
