@@ -405,6 +405,10 @@ def test_write_routes_takes_the_grouped_ops_run_from_the_smallest_m(tmp_path):
     table = json.loads(path.read_text())
     assert grouped_tokens("qwen3.8-tp4", "NVIDIA B200", table) == (1, 32)
     assert grouped_tokens("qwen3.8-tp4", H200, table) == grouped_tokens("qwen3.8-tp4", H200)  # others kept
+    fresh = tmp_path / "new" / "routes.json"  # a path with no table yet: the packaged one's copy
+    fresh.parent.mkdir()
+    assert write_routes(result, fresh) == (1, 32)
+    assert json.loads(fresh.read_text()) == table
 
 
 def test_prefill_warmup_counts_compile_every_binary_a_count_launches():

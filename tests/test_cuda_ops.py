@@ -530,16 +530,18 @@ def large_workspace():
     return alloc_workspace(max(OVER_GROUPS_TOKENS), TOP_K, K, N, "cuda")
 
 
+@pytest.mark.parametrize("changes", [{}, {"w13_block_k": 768}, {"group_blocks": 2}],
+                         ids=["table", "uneven-split", "16-row-groups"])  # 768: the last split runs past K
 @pytest.mark.parametrize("pattern", ["random", "single_hot", "skewed"])
 @pytest.mark.parametrize("M", OVER_GROUPS_TOKENS)
-def test_grouped_over_the_sorts_groups_matches_reference(layer, large_workspace, M, pattern):
+def test_grouped_over_the_sorts_groups_matches_reference(layer, large_workspace, M, pattern, changes):
     """Both GEMMs over the on-device sort's groups (w13_over_groups): against float64, bit-identical
     on a rerun; and replayed from a CUDA graph with new routing and ids outside [0, E)."""
     weights, cpu_weights = layer
     gen = torch.Generator().manual_seed(7 * M + len(pattern))
     x = activations(M, weights.dtype, gen)
     ids, tw = skewed_routing(M, gen) if pattern == "skewed" else routing(pattern, M, gen)
-    config = table_config(weights, M, w13_over_groups=True)
+    config = table_config(weights, M, w13_over_groups=True, **changes)
     outs = []
     for _ in range(2):
         large_workspace.fill_(-1)
@@ -547,9 +549,11 @@ def test_grouped_over_the_sorts_groups_matches_reference(layer, large_workspace,
         launched = launch_grouped(x, tw, ids, weights, large_workspace, out, config)
         outs.append(out)
     assert "ranks_kernel" in kernel_names(launched) and "w2_prefill_kernel" in kernel_names(launched)
+    if gluon_helpers.AVAILABLE:  # the Gluon W13 over groups ran, not the tl one
+        assert "_w13_gluon" in kernel_names(launched)
     assert torch.equal(outs[0], outs[1]), "a rerun changed the bits"
-    assert_close(f"over groups {weights.dtype} M={M} {pattern}", outs[0], x, tw, ids, cpu_weights)
-    if pattern != "random":
+    assert_close(f"over groups {weights.dtype} M={M} {pattern} {changes}", outs[0], x, tw, ids, cpu_weights)
+    if pattern != "random" or changes:
         return
     graph_out = torch.full_like(x, float("nan"))
     graph = torch.cuda.CUDAGraph()
@@ -593,7 +597,7 @@ def test_ids_debug_mode_raises_on_ids_outside_the_experts(layer, large_workspace
     else:
         def call(i):
             return grouped_op(x, tw, i, *weights.op_args(), large_workspace)
-    raise_on_flagged_ids()
+    raise_on_flagged_ids("cuda")  # "cuda" names the flag of the current device ("cuda:0")
     call(ids)  # good ids: no error
     bad = ids.clone()
     bad[M // 2, 1] = -1
@@ -613,4 +617,4 @@ def test_ids_debug_mode_raises_on_ids_outside_the_experts(layer, large_workspace
     ids.copy_(bad)
     graph.replay()
     with pytest.raises(ValueError, match="routed id outside"):
-        raise_on_flagged_ids()
+        raise_on_flagged_ids("cuda")

@@ -390,7 +390,8 @@ def _prefill_breakdown(args, layers, gen) -> List[Dict]:
 def write_routes(result: Dict, path: Path) -> tuple:
     """Set this GPU's grouped window of the contract in the route table at ``path``: the longest
     run of measured M from the smallest up where the grouped op is at least as fast as the
-    prefill route (beyond the last measured M of the run the prefill route serves)."""
+    prefill route (beyond the last measured M of the run the prefill route serves). A path that
+    does not exist yet starts as a copy of the packaged table."""
     window_top = None
     for row in result["rows"]:
         if row.get("grouped_us") is None or row["grouped_us"] > row["prefill_us"]:
@@ -398,7 +399,9 @@ def write_routes(result: Dict, path: Path) -> tuple:
         window_top = row["M"]
     if window_top is None:
         raise SystemExit("bench --write-routes: the grouped op is slower than the prefill route at the smallest M")
-    table = json.loads(path.read_text())
+    from ..contract import ROUTES_PATH
+
+    table = json.loads((path if path.exists() else ROUTES_PATH).read_text())
     table[result["contract"]]["gpus"][result["gpu"]] = {"grouped_tokens": [1, window_top]}
     path.write_text(json.dumps(table, indent=1) + "\n")
     return 1, window_top

@@ -57,5 +57,7 @@ def combine_valid_kernel(row_out_ptr, topk_weights_ptr, topk_ids_ptr, out_ptr, s
         routed = (expert >= 0) & (expert < E)
         weight = tl.load(topk_weights_ptr + t * TOP_K + j).to(tl.float32)
         row = tl.load(row_out_ptr + (t * TOP_K + j) * K + cols, mask=col_ok & routed, other=0.0).to(tl.float32)
-        acc += tl.where(routed, weight * row, 0.0)
+        # the weight masked, not the product: acc += w * row stays one FMA, as combine_tile's (so
+        # the grouped route over groups gives the per-row route's sums); row is 0 where unrouted
+        acc += tl.where(routed, weight, 0.0) * row
     tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)

@@ -1,6 +1,7 @@
 """W13 of the grouped decode in Triton ``tl``: split-K gate | up partials on tensor cores.
 
-Programs (no host sync; the grid is sized by R = M * k routed rows)::
+Programs (no host sync; the grid is sized by R = M * k routed rows, or over groups by the
+sort's bound on its groups)::
 
     program 0:                     zero the W2 launch's combine counters
     program 1 + (row * SPLITS + s) * TILES + tile:

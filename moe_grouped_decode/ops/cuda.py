@@ -65,18 +65,29 @@ def ids_flag(device) -> torch.Tensor:
     to 1 when a routed id is outside [0, E). Allocated zeroed at its first use, which vLLM's warmup
     makes before any CUDA-graph capture (a flag first made inside a capture would be re-zeroed by
     every replay)."""
-    device = torch.device(device)
+    device = _indexed(device)
     flag = _ID_FLAGS.get(device)
     if flag is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{env.CHECK_IDS_ENV}: the ids flag is made by an eager call or warmup before any "
+                               f"CUDA-graph capture (made inside one, every replay would clear it)")
         flag = _ID_FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return flag
+
+
+def _indexed(device) -> torch.device:
+    """``device`` with its index ("cuda" is the current CUDA device), as tensors name theirs."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def raise_on_flagged_ids(device=None) -> None:
     """Raise (and clear the flag) if a kernel has seen a routed id outside [0, E) on ``device`` (every
     device with a flag when None) since the last check. Reads the flag on the host: a sync."""
     for flag_device, flag in list(_ID_FLAGS.items()):
-        if device is not None and flag_device != torch.device(device):
+        if device is not None and flag_device != _indexed(device):
             continue
         if int(flag.item()):
             flag.zero_()
@@ -201,6 +212,8 @@ def warmup(weights: AwqMoeWeights, top_k: int, grouped_token_counts: Iterable[in
     hidden_states = torch.randn(max_tokens, K, device=device, dtype=dtype, generator=gen)
     topk_weights = torch.rand(max_tokens, top_k, device=device, generator=gen)
     load_tuned_cache(device)
+    if env.check_ids():
+        ids_flag(device)  # before any capture
     if grouped_counts:
         if workspace is None:
             workspace = alloc_workspace(max(grouped_counts), top_k, K, N, device)
