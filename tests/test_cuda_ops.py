@@ -618,3 +618,33 @@ def test_ids_debug_mode_raises_on_ids_outside_the_experts(layer, large_workspace
     graph.replay()
     with pytest.raises(ValueError, match="routed id outside"):
         raise_on_flagged_ids("cuda")
+
+
+@pytest.mark.parametrize("M", [4, 64, 600])  # the grouped op per row, over groups; the prefill route
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_expert_parallel_shards_sum_to_the_full_layer(M, placement):
+    """Expert parallelism on one GPU, the ranks in turn: qwen3.8 at EP 4 holds 128 of 512 experts
+    per rank at the full intermediate size (N = 640); each rank maps the router's global ids
+    through its expert map (-1 for another rank's expert, as the vLLM method does) and the ranks'
+    outputs summed (vLLM's all-reduce) match the whole layer's float64 reference."""
+    E_GLOBAL, EP, N_EP = E, 4, 4 * N
+    weights = synthetic_moe_weights(E_GLOBAL, K, N_EP, G, dtype=torch.float16, seed=23, device="cuda")
+    gen = torch.Generator().manual_seed(29 + M)
+    x = activations(M, weights.dtype, gen)
+    ids, tw = routing("random", M, gen)
+    experts = torch.arange(E_GLOBAL)
+    total = torch.zeros(M, K, dtype=torch.float32, device="cuda")
+    for rank in range(EP):
+        mine = experts[rank::EP] if placement == "round_robin" else experts[rank * E_GLOBAL // EP:(rank + 1) * E_GLOBAL // EP]
+        expert_map = torch.full((E_GLOBAL + 1,), -1, dtype=torch.int32)  # + the -1 an unknown id reads
+        expert_map[mine] = torch.arange(len(mine), dtype=torch.int32)
+        local_ids = expert_map.cuda()[ids.long().clamp(-1, E_GLOBAL)].to(torch.int32)
+        shard = dataclasses.replace(weights, **{name: getattr(weights, name)[mine.cuda()] for name in (
+            "w13_qweight", "w13_scales", "w13_qzeros", "w2_qweight", "w2_scales", "w2_qzeros")})
+        if M > 512:
+            out = dense_op(x, tw, local_ids, *shard.op_args())
+        else:
+            workspace = alloc_workspace(M, TOP_K, K, N_EP, "cuda")
+            out = grouped_op(x, tw, local_ids, *shard.op_args(), workspace)
+        total += out.float()
+    assert_close(f"EP {EP} {placement} M={M}", total.to(x.dtype), x, tw, ids, weights.to("cpu"))
