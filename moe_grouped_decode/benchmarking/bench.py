@@ -478,7 +478,9 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192",
                         help="token counts (every column at each)")
-    parser.add_argument("--grouped-max", type=int, default=128, help="the grouped op and floor2 up to this M")
+    parser.add_argument("--grouped-max", type=int, default=1024,
+                        help="the grouped op and floor2 up to this M (past the grouped window's top, 512 on the "
+                             "H200, so --write-routes sees both sides of it)")
     parser.add_argument("--layers", type=int, default=32, help="layers of distinct weights rotated in one graph (>= 32 keeps L2 cold)")
     parser.add_argument("--large-from", type=int, default=1024, help="from this M on, time --large-layers layers")
     parser.add_argument("--large-layers", type=int, default=8, help="layers rotated from --large-from on")
