@@ -219,3 +219,29 @@ def test_timeline_sm_rows(monkeypatch):
                                    torch.tensor([0, 1, 2, 1, 0]), w2_sm.reshape(4, 1))
     assert points["W2: last program end after the last row output stored"] == 1.0  # ends at 6 us, last store at 5
     assert points["W2: tile programs on the busiest SM"] == 3
+
+
+def test_the_route_over_groups_compiles_without_spills():
+    """Every launch of the grouped route over the sort's groups (M = 64 at the table's default, and
+    16-row groups at 512), both dtypes, through ptxas for sm_90: registers within 255, no stack."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+import sass_stats
+for dtype in ("fp16", "bf16"):
+    for M, changes in ((64, {{}}), (512, dict(group_blocks=2))):
+        plan = sass_stats.table_plan(dtype, M, changes=changes)
+        assert plan.config.w13_over_groups, plan.config
+        ints = dict(x_stride=2560, out_stride=2560, rows=M * 10, num_arrivals=0, num_experts=512, num_blocks=1,
+                    max_groups=plan.max_groups)
+        for launch in plan.launches:
+            usage = sass_stats.cuobjdump(sass_stats.compile_launch(launch, dtype, ints), "-res-usage")
+            print("launch", dtype, M, launch.name, usage.split("REG:")[1].split()[0], usage.split("STACK:")[1].split()[0])
+"""
+    stdout = _python_stdout("-c", code)
+    rows = [line.split() for line in stdout.splitlines() if line.startswith("launch ")]
+    assert len(rows) == 2 * 2 * 8, stdout  # dtypes x plans x (4 sort launches, W13, activations, W2, combine)
+    assert {row[3] for row in rows} == {"sort_ranks", "sort_prefix", "sort_groups", "sort_scatter", "w13_gluon",
+                                        "activations", "w2_prefill", "combine_valid"}, stdout
+    for row in rows:
+        assert 0 < int(row[4]) <= 255 and int(row[5]) == 0, row
