@@ -22,6 +22,7 @@ import torch
 from moe_grouped_decode.awq import synthetic_moe_weights
 from moe_grouped_decode.contract import QWEN38_TP4
 from moe_grouped_decode.env import GLUON_W13_ENV
+from moe_grouped_decode.kernels.config import OVER_GROUPS_FROM_TOKENS
 from moe_grouped_decode.ops import alloc_workspace
 
 pytestmark = [
@@ -31,8 +32,10 @@ pytestmark = [
 
 E, TOP_K, K, N, G = (QWEN38_TP4.num_experts, QWEN38_TP4.top_k, QWEN38_TP4.hidden_size,
                      QWEN38_TP4.intermediate_size, QWEN38_TP4.group_size)
-# the grouped window's edges and the launch table's entries in between (every count has its own plan)
-GROUPED_TOKENS = sorted({1, 2, 3, 4, 8, 9, 16, 33, QWEN38_TP4.max_tokens})
+# the grouped window's edges and the launch table's entries in between (every count has its own
+# plan), and both sides of where the route goes over the sort's groups
+GROUPED_TOKENS = sorted({1, 2, 3, 4, 8, 9, 16, 33, OVER_GROUPS_FROM_TOKENS - 1, OVER_GROUPS_FROM_TOKENS, 64,
+                         QWEN38_TP4.max_tokens})
 # the prefill route, inside and past the grouped window (it serves any M)
 DENSE_TOKENS = [1, 2, 8, 9, 16, 64, 65, 256, 2048]
 
