@@ -426,3 +426,33 @@ def test_prefill_warmup_counts_compile_every_binary_a_count_launches():
     warmed = set().union(*(binaries(M) for M in prefill_warmup_counts(N)))
     for M in list(range(1, N + 1, 37)) + [2, 511, 512, 513, 1025, N - 1, N]:
         assert binaries(M) <= warmed, M
+
+
+def test_compiles_after_warmup_are_reported_once_and_chained(monkeypatch):
+    """The vLLM plugin's guard that warmup covered every binary: a Triton compile of one of this
+    package's kernels outside ``warmup`` is reported once per specialization; other packages'
+    compiles and compiles inside warmup are not; any hook set before (vLLM's JIT monitor) still
+    sees every compile."""
+    import types
+
+    import triton
+
+    from moe_grouped_decode.ops import cuda
+
+    chained, logged = [], []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda **kw: chained.append(kw["key"]))
+    monkeypatch.setattr(cuda, "_compile_watch", {})
+    assert cuda.watch_compiles_after_warmup(logged.append)
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    ours = types.SimpleNamespace(module="moe_grouped_decode.kernels.w13_tl", name="_w13_tl")
+    theirs = types.SimpleNamespace(module="vllm.model_executor.layers.fused_moe", name="fused_moe_kernel")
+    hook(key="a", repr="_w13_tl[num_warps=1](...)", fn=ours)
+    hook(key="a", repr="_w13_tl[num_warps=1](...)", fn=ours)  # the same binary: said once
+    hook(key="b", repr="_w13_tl[num_warps=4](...)", fn=ours)
+    hook(key="c", repr="fused_moe_kernel(...)", fn=theirs)  # not ours: vLLM's monitor speaks for it
+    monkeypatch.setattr(cuda, "_warming", 1)
+    hook(key="d", repr="_w13_tl[...]", fn=ours)  # inside warmup: what warmup is for
+    assert len(logged) == 2 and all("_w13_tl" in line and "after the plugin's warmup" in line for line in logged)
+    assert chained == ["a", "a", "b", "c", "d"]
+    assert cuda.watch_compiles_after_warmup(logged.append)  # installed once: the hook is not wrapped again
+    assert triton.knobs.runtime.jit_post_compile_hook is hook

@@ -190,5 +190,6 @@ def warm_up_kernels(layer, method) -> None:
     _warmed_up.add(key)
     weights = AwqMoeWeights(layer.w13_qweight, layer.w13_scales, layer.w13_qzeros, layer.w2_qweight, layer.w2_scales,
                             layer.w2_qzeros, shape.group_size)
+    cuda.watch_compiles_after_warmup(logger.warning)  # a binary missed here would compile in capture or serving
     cuda.warmup(weights, shape.top_k, admitted_token_counts(shape, method.moe.max_num_tokens),
                 dense_token_counts=cuda.prefill_warmup_counts(method.moe.max_num_tokens), workspace=method.workspace)

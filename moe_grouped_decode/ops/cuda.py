@@ -9,9 +9,10 @@ CUDA-graph capture.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, Optional
 
 import torch
+import triton
 
 from .. import env
 from ..awq import AwqMoeWeights
@@ -187,6 +188,51 @@ def prefill_warmup_counts(max_tokens: int) -> list:
     return counts + [max_tokens]
 
 
+# --------------------------------------------------------------------------- compiles after warmup
+
+_warming = 0  # warmup calls in progress
+_compile_watch: dict = {}  # "log": the callable compiles after warmup are reported to; "seen": reported keys
+
+
+def watch_compiles_after_warmup(log: Callable[[str], None]) -> bool:
+    """Report to ``log``, once per kernel and specialization, every Triton compile of one of this
+    package's kernels outside ``warmup``: a binary the warmup did not cover, compiled during
+    CUDA-graph capture or while serving (Triton's post-compile hook, chained to any hook already
+    set, e.g. vLLM's JIT monitor). Returns whether this Triton has the hook; installs it once."""
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return False
+    _compile_watch["log"] = log
+    if _compile_watch.get("installed"):
+        return True
+    existing = runtime.jit_post_compile_hook
+
+    def on_compile(**kwargs):
+        _report_compile(kwargs)
+        return existing(**kwargs) if existing is not None else None
+
+    runtime.jit_post_compile_hook = on_compile
+    _compile_watch.update(installed=True, seen=set())
+    return True
+
+
+def _report_compile(kwargs: dict) -> None:
+    fn = kwargs.get("fn")
+    module = getattr(fn, "module", "") or ""
+    if _warming or not module.startswith(__name__.split(".")[0] + ".") or "log" not in _compile_watch:
+        return
+    name = getattr(fn, "name", "<kernel>")
+    seen = _compile_watch.setdefault("seen", set())
+    key = (module, name, str(kwargs.get("key")))
+    if key in seen:
+        return
+    seen.add(key)
+    _compile_watch["log"](f"moe_grouped_decode: Triton compiled {name} ({module}) after the plugin's warmup: a binary "
+                          f"its warmup did not cover, compiled during CUDA-graph capture or serving: "
+                          f"{str(kwargs.get('repr', ''))[:400]}")
+
+
 def warmup(weights: AwqMoeWeights, top_k: int, grouped_token_counts: Iterable[int],
            dense_token_counts: Iterable[int] = (), workspace: Optional[torch.Tensor] = None,
            dtype: Optional[torch.dtype] = None) -> None:
@@ -199,6 +245,15 @@ def warmup(weights: AwqMoeWeights, top_k: int, grouped_token_counts: Iterable[in
     Triton version. ``workspace`` must hold max(grouped_token_counts) * top_k rows (a
     temporary one is allocated if omitted).
     """
+    global _warming
+    _warming += 1
+    try:
+        _warmup(weights, top_k, grouped_token_counts, dense_token_counts, workspace, dtype)
+    finally:
+        _warming -= 1
+
+
+def _warmup(weights, top_k, grouped_token_counts, dense_token_counts, workspace, dtype) -> None:
     from .autotune import load_tuned_cache, tune_grouped
     from .workspace import alloc_workspace
 
