@@ -535,7 +535,27 @@ def parse_log(text: str) -> dict:
     parsed["warnings"] = warnings
     parsed["plugin_warnings"] = [w for w in warnings if re.search(r"moe_grouped_decode|MOE_GROUPED_DECODE", w)]
     parsed["plugin_lines"] = [msg for level, _, msg in lines if msg.startswith("moe_grouped_decode:")]
+    parsed["capture_phases"] = capture_phases(text)
     return parsed
+
+
+CAPTURE_PROGRESS_RE = re.compile(r"Capturing CUDA graphs \(([^)]*)\):\s*\d+%\|[^|]*\|\s*(\d+)/(\d+) \[(\d+):(\d+)<")
+
+
+def capture_phases(text: str) -> dict:
+    """vLLM's capture progress bars (tqdm, one per mode, largest batch first): per mode, the
+    graphs and the whole seconds elapsed after each (tqdm's resolution), so a slow run of sizes
+    shows where it starts."""
+    phases: dict = {}
+    for raw in re.split(r"[\r\n]", text):
+        match = CAPTURE_PROGRESS_RE.search(raw)
+        if not match:
+            continue
+        mode, done, total = match[1], int(match[2]), int(match[3])
+        phase = phases.setdefault(mode, {"graphs": total, "elapsed_s": [None] * total})
+        if 1 <= done <= total and phase["elapsed_s"][done - 1] is None:
+            phase["elapsed_s"][done - 1] = int(match[4]) * 60 + int(match[5])
+    return phases
 
 
 # ============================================================================ the report
@@ -623,7 +643,8 @@ def build_report(out: Path, meta: dict) -> dict:
             if p is not None:
                 cell[f"{arm_name}_gpu_ms"] = p["gpu_kernel_ms"]
                 cell[f"{arm_name}_top_kernels"] = p["top_kernels"]
-    startup = {arm: {**data.get("timing", {}), **{k: v for k, v in data["log"].items() if k.endswith(("_s", "_gib", "_vllm"))}}
+    startup = {arm: {**data.get("timing", {}), **{k: v for k, v in data["log"].items()
+                                                   if k.endswith(("_s", "_gib", "_vllm")) or k == "capture_phases"}}
                for arm, data in arms.items()}
     report = {
         "meta": meta,
@@ -701,6 +722,14 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
     lines += ["", "Startup (from vLLM's log where not measured here):", "", "| | on | off |", "| --- | --- | --- |"]
     for label, key in rows:
         lines.append(f"| {label} | {_fmt(report['startup']['on'].get(key))} | {_fmt(report['startup']['off'].get(key))} |")
+    phase_lines = []
+    for arm in ("on", "off"):
+        for mode, phase in (report["startup"][arm].get("capture_phases") or {}).items():
+            elapsed = ", ".join("?" if e is None else str(e) for e in phase["elapsed_s"])
+            phase_lines.append(f"- {arm}, {mode}: {phase['graphs']} graphs, largest batch first; whole seconds "
+                               f"elapsed after each: {elapsed}")
+    if phase_lines:
+        lines += ["", "CUDA-graph capture per mode (vLLM's progress bars):", "", *phase_lines]
     agree = report["agreement"]
     lines += ["", f"Greedy agreement: {agree['identical']} of {agree['sequences']} sequences identical over "
               f"{agree['tokens_per_sequence']} tokens. At each divergence, the top-2 margin (logprob of the first "

@@ -135,6 +135,23 @@ def test_parse_log(e2e):
         "moe_grouped_decode: 48 MoE layer(s) admitted under contract 'qwen3.8-tp4'",
         "moe_grouped_decode: compile pass swapped 1 vllm::moe_forward call(s)",
     ]
+    assert parsed["capture_phases"] == {}  # no progress bars in this log
+
+
+def test_capture_phases_from_vllms_progress_bars(e2e):
+    """tqdm's bars as they reach a log file (carriage returns, repeated counts, a final repeat of
+    the last): per mode the graphs and the seconds elapsed after each, the first time it shows."""
+    bars = ("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE):   0%|          | 0/3 [00:00<?, ?it/s]\r"
+            "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE):  33%|###       | 1/3 [00:00<00:01,  5.1it/s]\r"
+            "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE):  67%|######    | 2/3 [00:01<00:01,  1.8it/s]\r"
+            "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%|##########| 3/3 [01:02<00:00,  1.2it/s]\r"
+            "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%|##########| 3/3 [01:03<00:00,  1.1it/s]\n"
+            "Capturing CUDA graphs (decode, FULL):  50%|#####     | 1/2 [00:00<00:00,  5.9it/s]\n"
+            "Capturing CUDA graphs (decode, FULL): 100%|##########| 2/2 [00:01<00:00,  5.8it/s]\n")
+    assert e2e.capture_phases(LOG + bars) == {
+        "mixed prefill-decode, PIECEWISE": {"graphs": 3, "elapsed_s": [0, 1, 62]},
+        "decode, FULL": {"graphs": 2, "elapsed_s": [0, 1]},
+    }
 
 
 def _sequence(tokens, top2):
