@@ -10,7 +10,6 @@ built, and every output against the float64 reference of the global layer.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -18,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from vllm_moe_forward_job import plugin_ops_recorded  # this script's folder is on sys.path
 
 RESULT_PREFIX = "EP_JOB "
 LAYER_NAME = "model.layers.0.mlp.experts"
@@ -57,29 +58,6 @@ def router_inputs():
     x = torch.randn(M_ROUTER, K, generator=gen).to(torch.float16)
     logits = torch.randn(M_ROUTER, E, generator=gen).to(torch.float16)
     return x, logits
-
-
-@contextlib.contextmanager
-def plugin_ops_recorded():
-    namespace = torch.ops.moe_grouped_decode
-    names = ("awq_moe_dense", "awq_moe_grouped_decode")
-    originals = {name: getattr(namespace, name) for name in names}
-    seen = []
-
-    def recorder(name):
-        def call(*args, **kwargs):
-            seen.append(name)
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in names:
-        setattr(namespace, name, recorder(name))
-    try:
-        yield seen
-    finally:
-        for name, packet in originals.items():
-            setattr(namespace, name, packet)
 
 
 def rank_main(rank: int, port: int, out_dir: str) -> None:

@@ -130,6 +130,7 @@ class GroupedPlan(CallShape):
     sort_regions: Tuple[Tuple[str, int, Tuple[int, ...], bool], ...] = ()
     sort_numel: int = 0
     max_groups: int = 0
+    check_ids: bool = False  # a launch flags ids outside [0, E) (the debug mode): it needs the flag
 
     def launch_for(self, stage: str) -> Optional[Launch]:
         return next((launch for launch in self.launches if launch.stage == stage), None)
@@ -286,7 +287,7 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
                                _items(dict(TOP_K=top_k, K=K, BLOCK_K=COMBINE_BLOCK, USE_PDL=use_pdl)),
                                _items({"num_warps": 2, **pdl_options}), False))
     return GroupedPlan(M, top_k, K, N, G, dtype, capability, config, timeline, tuple(launches), num_arrivals,
-                       tuple(sort_regions), sort_numel, groups)
+                       tuple(sort_regions), sort_numel, groups, _checks_ids(launches))
 
 
 def launch_plan(plan: GroupedPlan, hidden_states, topk_weights, topk_ids, weights, scratch, out,
@@ -326,10 +327,7 @@ def launch_plan(plan: GroupedPlan, hidden_states, topk_weights, topk_ids, weight
         "w13_stamps": (stamps or {}).get("w13_stamps") if plan.timeline else None,
         "w2_stamps": (stamps or {}).get("w2_stamps") if plan.timeline else None,
         **{name: None for name in GROUP_ARGS},
-        "id_flag": _checked_flag(id_flag, _checks_ids(plan.launches)),
-        # the W2 over groups' 16-bit activations: the fp32 activations region's first half
-        "act16": scratch.activations.view(-1)[: plan.rows * plan.intermediate_size // 2].view(plan.dtype).view(
-            plan.rows, plan.intermediate_size),
+        "id_flag": _checked_flag(id_flag, plan.check_ids),
     }
     if plan.sort_numel:
         if sort_scratch is None:
@@ -338,6 +336,9 @@ def launch_plan(plan: GroupedPlan, hidden_states, topk_weights, topk_ids, weight
             raise ValueError(f"grouped_decode: the sort's scratch must be int32 of at least {plan.sort_numel} elements")
         values.update(rows=plan.rows, num_blocks=triton.cdiv(plan.rows, expert_sort.BLOCK_ROWS),
                       max_groups=plan.max_groups, **_region_views(plan.sort_regions, sort_scratch, plan.dtype))
+        # W2 over groups reads 16-bit activations: the fp32 activations region's first half
+        values["act16"] = scratch.activations.view(-1)[: plan.rows * plan.intermediate_size // 2].view(
+            plan.dtype).view(plan.rows, plan.intermediate_size)
     return _run(plan.launches, values)
 
 
@@ -374,6 +375,7 @@ class PrefillPlan(CallShape):
     launches: Tuple[Launch, ...]
     regions: Tuple[Tuple[str, int, Tuple[int, ...], bool], ...]  # (name, int32 offset, shape, 16-bit)
     scratch_numel: int  # int32 elements
+    check_ids: bool = False  # the sort flags ids outside [0, E) (the debug mode): it needs the flag
 
     def scratch_views(self, scratch: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The named regions of a ``scratch_numel`` int32 tensor (16-bit ones in the activation dtype)."""
@@ -470,7 +472,7 @@ def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig
                ("row_out16", "topk_weights", "topk_ids", "out", "out_stride"),
                _items(dict(TOP_K=top_k, K=K, E=E, BLOCK_K=COMBINE_BLOCK)), _items({"num_warps": 2}), False),
     )
-    return PrefillPlan(M, top_k, K, N, G, dtype, E, config, launches, tuple(regions), offset)
+    return PrefillPlan(M, top_k, K, N, G, dtype, E, config, launches, tuple(regions), offset, check_ids)
 
 
 PREFILL_W13_ARGS = ("x", "x_stride", "sorted_rows", "group_expert", "group_start", "group_count", "num_groups",
@@ -524,6 +526,6 @@ def launch_prefill(plan: PrefillPlan, hidden_states, topk_weights, topk_ids, wei
         "w13_qweight": weights.w13_qweight, "w13_scales": weights.w13_scales, "w13_qzeros": weights.w13_qzeros,
         "w2_qweight": weights.w2_qweight, "w2_scales": weights.w2_scales, "w2_qzeros": weights.w2_qzeros,
         **plan.scratch_views(scratch),
-        "id_flag": _checked_flag(id_flag, _checks_ids(plan.launches)),
+        "id_flag": _checked_flag(id_flag, plan.check_ids),
     }
     return _run(plan.launches, values)

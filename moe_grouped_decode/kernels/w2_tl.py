@@ -35,22 +35,8 @@ from .timeline import W2_SM_SLOT, W2_STAMP_COUNT, now, sm_id
 
 @triton.jit
 def row_activations(partials_ptr, act_ptr, row, rows, N: tl.constexpr, SPLITS: tl.constexpr, N_PAD: tl.constexpr):
-    """act[row] = silu(gate) * up from the W13 partials summed in split order, float32 [N]."""
-    n = tl.arange(0, N_PAD)
-    gate = tl.zeros([N_PAD], dtype=tl.float32)
-    up = tl.zeros([N_PAD], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        part = partials_ptr + (s * rows + row) * (2 * N) + n
-        gate += tl.load(part, mask=n < N, other=0.0)
-        up += tl.load(part + N, mask=n < N, other=0.0)
-    tl.store(act_ptr + row * N + n, silu_mul(gate, up), mask=n < N)
-
-
-@triton.jit(do_not_specialize=["rows"])
-def activations_kernel(partials_ptr, act_ptr, rows, N: tl.constexpr, SPLITS: tl.constexpr, N_PAD: tl.constexpr):
-    """act[row] = silu(gate) * up of row ``program_id``'s W13 partials summed in split order, in
-    act's 16-bit dtype (what W2 over the sort's groups reads; as the W2 per row rounds them)."""
-    row = tl.program_id(0)
+    """act[row] = silu(gate) * up from the W13 partials summed in split order, in float32, stored in
+    act's dtype [N]."""
     n = tl.arange(0, N_PAD)
     gate = tl.zeros([N_PAD], dtype=tl.float32)
     up = tl.zeros([N_PAD], dtype=tl.float32)
@@ -59,6 +45,13 @@ def activations_kernel(partials_ptr, act_ptr, rows, N: tl.constexpr, SPLITS: tl.
         gate += tl.load(part, mask=n < N, other=0.0)
         up += tl.load(part + N, mask=n < N, other=0.0)
     tl.store(act_ptr + row * N + n, silu_mul(gate, up).to(act_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def activations_kernel(partials_ptr, act_ptr, rows, N: tl.constexpr, SPLITS: tl.constexpr, N_PAD: tl.constexpr):
+    """row_activations of row ``program_id`` into 16-bit ``act`` (what W2 over the sort's groups
+    reads, rounded as the W2 per row rounds its own)."""
+    row_activations(partials_ptr, act_ptr, tl.program_id(0), rows, N, SPLITS, N_PAD)
 
 
 def _w2_tl(

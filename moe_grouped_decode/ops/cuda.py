@@ -50,7 +50,7 @@ def launch_grouped(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights
     (``id_flag``, here when None). Returns the launches' compiled kernels."""
     grouped = grouped_plan_for(hidden_states, topk_ids, weights, config, **options)
     views = workspace_views(workspace, grouped.rows, grouped.hidden_size, grouped.intermediate_size)
-    if id_flag is None and any(dict(launch.constexprs).get("CHECK_IDS") for launch in grouped.launches):
+    if id_flag is None and grouped.check_ids:
         id_flag = ids_flag(hidden_states.device)
     return plan.launch_plan(grouped, hidden_states, topk_weights.contiguous(), topk_ids.contiguous(), weights, views,
                             out, stamps, sort_scratch, id_flag)
@@ -148,7 +148,7 @@ def launch_prefill(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights
     prefill = prefill_plan_for(hidden_states, topk_ids, weights, config, check_ids)
     if scratch is None:
         scratch = torch.empty(prefill.scratch_numel, dtype=torch.int32, device=hidden_states.device)
-    if id_flag is None and any(dict(launch.constexprs).get("CHECK_IDS") for launch in prefill.launches):
+    if id_flag is None and prefill.check_ids:
         id_flag = ids_flag(hidden_states.device)
     return plan.launch_prefill(prefill, hidden_states, topk_weights.contiguous(), topk_ids.contiguous(), weights,
                                scratch, out, id_flag)
