@@ -178,7 +178,7 @@ def compile_launch(launch, dtype: str, int_values: dict):
             ints[param] = int_values[name]
     options = {k: v for k, v in launch.options if k != "num_warps" and k != "launch_pdl"}
     source = ASTSource
-    if launch.name.endswith("_gluon"):
+    if launch.name.endswith(("_gluon", "_wgmma")):
         from triton.experimental.gluon._runtime import GluonASTSource
 
         source = GluonASTSource
@@ -227,8 +227,10 @@ def prefill_kernels(dtype, M, config):
     plan = launch_plan.prefill_plan(M, k, E, K, N, c.group_size, DTYPES[dtype], divmod(TARGET.arch, 10), config)
     ints = dict(x_stride=K, out_stride=K, rows=M * k, num_blocks=1, max_groups=1)
     weights = {"w13_prefill": K * 64, "w2_prefill": N * 64 * config.w2_warps,
-               "w13_prefill_dot": K * 2 * config.w13_block_n, "w2_prefill_dot": N * config.w2_block_n}
+               "w13_prefill_dot": K * 2 * config.w13_block_n, "w2_prefill_dot": N * config.w2_block_n,
+               "w13_prefill_wgmma": K * 128, "w2_prefill_wgmma": N * 128 * 4}
     tag = (f"tb={config.token_blocks}" if config.kernel == "mma" else
+           f"wgmma rows={config.block_rows} stages={config.w13_stages},{config.w2_stages}" if config.kernel == "wgmma" else
            f"rows={config.block_rows} n={config.w13_block_n},{config.w2_block_n} warps={config.w13_warps},"
            f"{config.w2_warps} stages={config.w13_stages},{config.w2_stages}")
     for launch in plan.launches:

@@ -391,6 +391,35 @@ def test_prefill_plan_launches_match_the_kernels(cfg):
     assert next(lu for lu in prefill.launches if lu.stage == "w13").grid == (groups * 5,)
 
 
+@pytest.mark.parametrize("rows", [16, 64, 128])
+def test_prefill_wgmma_plan_on_hopper_and_what_runs_elsewhere(rows):
+    """A wgmma config plans the wgmma kernels on a Hopper where Gluon runs (every argument and
+    constexpr its kernel takes; W13 over (group, 64 gate + 64 up columns), W2 over (group, 4 tiles
+    of 128 columns)); on other GPUs and under the interpreter, the kernels that served those
+    group sizes before: the mma kernels up to 32 rows, the dot kernels above."""
+    cfg = plan.PrefillConfig(kernel="wgmma", block_rows=rows, w13_stages=4, w2_stages=4)
+    hopper = plan.prefill_plan(300, 10, 512, 2560, 160, 32, torch.float16, (9, 0), cfg)
+    groups = -(-3000 // rows) + 512
+    names = {launch.stage: launch.name for launch in hopper.launches}
+    if plan.gluon_runs((9, 0)):
+        assert names["w13"] == "w13_prefill_wgmma" and names["w2"] == "w2_prefill_wgmma"
+        for launch in hopper.launches:
+            params = launch.kernel.params
+            assert len(launch.args) == len([p for p in params if not p.is_constexpr]), launch.name
+            assert set(dict(launch.constexprs)) == {p.name for p in params if p.is_constexpr}, launch.name
+        grids = {launch.stage: launch.grid for launch in hopper.launches}
+        assert grids["w13"] == (groups * 3,) and grids["w2"] == (groups * 5,)
+        assert dict(next(lu for lu in hopper.launches if lu.stage == "w13").constexprs)["BLOCK_ROWS"] == rows
+    for capability in ((8, 0), (10, 0), (0, 0)):
+        other = plan.prefill_plan(300, 10, 512, 2560, 160, 32, torch.float16, capability, cfg)
+        w13 = next(launch for launch in other.launches if launch.stage == "w13")
+        assert w13.name == ("w13_prefill" if rows <= 32 else "w13_prefill_dot"), (capability, w13.name)
+    with pytest.raises(ValueError, match="wgmma kernels take"):
+        plan.PrefillConfig(kernel="wgmma", block_rows=512)
+    with pytest.raises(ValueError, match="wgmma kernels take"):
+        plan.PrefillConfig(kernel="wgmma", w13_block_k=128)
+
+
 def test_write_routes_takes_the_grouped_ops_run_from_the_smallest_m(tmp_path):
     from moe_grouped_decode.benchmarking.bench import write_routes
     from moe_grouped_decode.contract import ROUTES_PATH, grouped_tokens

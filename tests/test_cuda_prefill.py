@@ -80,7 +80,12 @@ def test_prefill_matches_reference(layer, M, pattern):
     PrefillConfig(kernel="dot", block_rows=32, w13_block_n=64, w2_block_n=64, w13_stages=4),  # masked W13 tile
     PrefillConfig(kernel="dot", block_rows=64, w13_block_k=64, w13_warps=8, w2_warps=8, w2_block_n=256),
     PrefillConfig(kernel="dot", block_rows=128, w13_block_k=128, w13_warps=8, w2_warps=4, w2_stages=2),
-], ids=["tb2", "tb4-8warps", "1warp", "dot16", "dot32-n64", "dot64-8warps", "dot128"])
+    PrefillConfig(kernel="wgmma", block_rows=64, w13_stages=4, w2_stages=4),  # the wgmma kernels (Hopper)
+    PrefillConfig(kernel="wgmma", block_rows=128, w13_stages=3, w2_stages=2),
+    PrefillConfig(kernel="wgmma", block_rows=16, w13_stages=3, w2_stages=3),  # copies wider than the group
+    PrefillConfig(kernel="wgmma", block_rows=32, w13_block_k=64, w13_stages=3, w2_stages=4),  # 64-row steps
+], ids=["tb2", "tb4-8warps", "1warp", "dot16", "dot32-n64", "dot64-8warps", "dot128", "wgmma64", "wgmma128",
+        "wgmma16", "wgmma32-k64"])
 def test_prefill_configs_match_reference(layer, config):
     """Every launch shape the route table may pick, on routing with multi-group experts."""
     weights, cpu_weights = layer

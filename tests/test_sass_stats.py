@@ -245,3 +245,46 @@ for dtype in ("fp16", "bf16"):
                                         "activations", "w2_prefill", "combine_valid"}, stdout
     for row in rows:
         assert 0 < int(row[4]) <= 255 and int(row[5]) == 0, row
+
+
+def test_the_wgmma_prefill_kernels_take_a_from_registers():
+    """The wgmma prefill kernels (both dtypes, the table's group sizes) compile for sm_90 within 255
+    registers and no stack, multiply with HGMMA whose A operand is registers, and store nothing to
+    shared memory in W13's step loop (the dequantized weights never pass through it)."""
+    code = r"""
+import re, sys
+sys.path.insert(0, BENCHMARKS)
+import sass_stats
+from moe_grouped_decode.kernels.config import PrefillConfig
+for dtype in ("fp16", "bf16"):
+    for rows in (16, 64):
+        cfg = PrefillConfig(kernel="wgmma", block_rows=rows, w13_stages=4, w2_stages=4)
+        for name, kernel, _, _ in sass_stats.prefill_kernels(dtype, 2048, cfg):
+            launch = name.split()[2]
+            if "wgmma" not in launch:
+                continue
+            usage = sass_stats.cuobjdump(kernel, "-res-usage")
+            sass = sass_stats.cuobjdump(kernel, "-sass")
+            a_operands = re.findall(r"HGMMA\.64x\d+x16\.F32\S* R\d+, (\S+),", sass)
+            print("kernel", dtype, rows, launch, usage.split("REG:")[1].split()[0], usage.split("STACK:")[1].split()[0],
+                  len(a_operands), all(a.startswith("R") for a in a_operands))
+            if launch == "w13_prefill_wgmma":
+                # the step loop: from the backward branch's target to the branch
+                lines = [(int(m.group(1), 16), line) for line in sass.splitlines()
+                         if (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/", line))]
+                end, target = next((at, int(m.group(1), 16)) for at, line in lines
+                                   if (m := re.search(r"BRA (0x[0-9a-f]+)", line)) and int(m.group(1), 16) < at)
+                body = [line for at, line in lines if target <= at <= end]
+                print("loop", dtype, rows, sum(" STS" in line for line in body), sum("HGMMA" in line for line in body))
+""".replace("BENCHMARKS", repr(str(ROOT / "benchmarks")))
+    stdout = _python_stdout("-c", code)
+    kernels = [line.split() for line in stdout.splitlines() if line.startswith("kernel ")]
+    assert {(row[1], row[2], row[3]) for row in kernels} == {
+        (dtype, rows, name) for dtype in ("fp16", "bf16") for rows in ("16", "64")
+        for name in ("w13_prefill_wgmma", "w2_prefill_wgmma")}, stdout
+    for row in kernels:
+        assert 0 < int(row[4]) <= 255 and int(row[5]) == 0 and int(row[6]) > 0 and row[7] == "True", row
+    loops = [line.split() for line in stdout.splitlines() if line.startswith("loop ")]
+    assert len(loops) == 4, stdout
+    for row in loops:
+        assert row[3] == "0" and row[4] == "4", row  # no shared store; two m64 blocks x two k16 per step

@@ -134,26 +134,33 @@ class GroupedConfig:
 @dataclass(frozen=True)
 class PrefillConfig:
     """The prefill route's launches: the ``mma`` kernels (prefill.py, groups of 8 * token_blocks
-    rows, inline-PTX mma.sync with the nibbles in the A fragments) or the ``dot`` kernels
-    (prefill_dot.py, groups of block_rows rows, tl.dot on weight tiles dequantized in registers)."""
+    rows, inline-PTX mma.sync with the nibbles in the A fragments), the ``dot`` kernels
+    (prefill_dot.py, groups of block_rows rows, tl.dot on weight tiles dequantized in registers)
+    or the ``wgmma`` kernels (prefill_wgmma.py, Hopper and Gluon only, groups of block_rows rows,
+    the GEMM transposed with the dequantized weights as wgmma's register operand; elsewhere the
+    plan runs the dot kernels over the same groups)."""
 
     token_blocks: int = 1  # mma: 8-row B operands per program (rows per group / 8): 1, 2 or 4
     w13_warps: int = 4  # mma: warps over K (chunks unrolled); dot: num_warps
     w2_warps: int = 4  # mma: warps of 64 output columns each; dot: num_warps
-    kernel: str = "mma"  # "mma" or "dot"
-    block_rows: int = 16  # dot: rows per group (the tl.dot M), a power of two >= 16
+    kernel: str = "mma"  # "mma", "dot" or "wgmma"
+    block_rows: int = 16  # dot, wgmma: rows per group (the tl.dot M; wgmma's N), a power of two >= 16
     w13_block_n: int = 32  # dot: gate columns per W13 program (and as many up columns)
-    w13_block_k: int = 32  # dot: W13's reduction rows per step (a divisor or a multiple of G)
+    w13_block_k: int = 32  # dot: W13's reduction rows per step (a divisor or a multiple of G); wgmma: 32 or 64
     w2_block_n: int = 128  # dot: output columns per W2 program
-    w13_stages: int = 3  # dot: software-pipeline depth of W13's steps (w13_block_k rows each)
-    w2_stages: int = 3  # dot: the same for W2
+    w13_stages: int = 3  # dot: software-pipeline depth of W13's steps (w13_block_k rows each); wgmma: ring depth
+    w2_stages: int = 3  # dot, wgmma: the same for W2
 
     def __post_init__(self) -> None:
         for field in ("w13_warps", "w2_warps", "w13_stages", "w2_stages"):
             if getattr(self, field) < 1:
                 raise ValueError(f"PrefillConfig.{field} must be at least 1, got {getattr(self, field)}")
-        if self.kernel not in ("mma", "dot"):
-            raise ValueError(f"PrefillConfig.kernel must be 'mma' or 'dot', got {self.kernel!r}")
+        if self.kernel not in ("mma", "dot", "wgmma"):
+            raise ValueError(f"PrefillConfig.kernel must be 'mma', 'dot' or 'wgmma', got {self.kernel!r}")
+        if self.kernel == "wgmma" and (self.block_rows > 256 or self.w13_stages < 2 or self.w2_stages < 2
+                                       or self.w13_block_k not in (32, 64)):
+            raise ValueError("PrefillConfig: the wgmma kernels take block_rows <= 256, rings of >= 2 stages and "
+                             "w13_block_k 32 or 64")
         if self.token_blocks not in (1, 2, 4):
             raise ValueError(f"PrefillConfig.token_blocks must be 1, 2 or 4, got {self.token_blocks}")
         for field, least in (("block_rows", 16), ("w13_block_n", 16), ("w13_block_k", 32), ("w2_block_n", 16)):
@@ -163,7 +170,7 @@ class PrefillConfig:
 
     @property
     def group_rows(self) -> int:
-        return self.block_rows if self.kernel == "dot" else 8 * self.token_blocks
+        return 8 * self.token_blocks if self.kernel == "mma" else self.block_rows
 
 
 # Batch-invariant mode's one prefill config at every M: the mma kernels over 8-row groups, where
@@ -177,15 +184,19 @@ def prefill_candidates() -> Tuple[PrefillConfig, ...]:
     prefill tables): the mma kernels over 8- and 16-row groups; the dot kernels over 32-, 64- and
     128-row groups, each with six W13 variants (gate columns, reduction rows per step, warps,
     pipeline depth) paired with six W2 variants (columns, warps, depth), and two over 256-row
-    groups. W13 and W2 are timed apart (sort + W13, then the rest), so the pairing costs no
-    coverage."""
+    groups; the wgmma kernels over 16- to 128-row groups. W13 and W2 are timed apart (sort + W13,
+    then the rest), so the pairing costs no coverage."""
     w13 = ((32, 32, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (32, 128, 4, 3))
     w2 = ((128, 8, 3), (256, 8, 3), (64, 4, 3), (128, 4, 3), (256, 4, 3), (64, 8, 2))
     dot = [(rows, a, b) for rows in (32, 64, 128) for a, b in zip(w13, w2)]
     dot += [(256, (64, 32, 8, 3), (128, 8, 3)), (256, (32, 64, 8, 3), (256, 8, 2))]
+    wgmma = [(16, 32, 4, 4), (16, 64, 3, 4), (32, 32, 4, 4), (32, 64, 3, 4), (64, 32, 4, 4), (64, 64, 3, 4),
+             (128, 32, 3, 3)]
     return (PrefillConfig(token_blocks=1), PrefillConfig(token_blocks=2)) + tuple(
         PrefillConfig(kernel="dot", block_rows=rows, w13_block_n=a[0], w13_block_k=a[1], w13_warps=a[2],
-                      w13_stages=a[3], w2_block_n=b[0], w2_warps=b[1], w2_stages=b[2]) for rows, a, b in dot)
+                      w13_stages=a[3], w2_block_n=b[0], w2_warps=b[1], w2_stages=b[2]) for rows, a, b in dot) + tuple(
+        PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=k, w13_stages=a, w2_stages=b)
+        for rows, k, a, b in wgmma)
 
 
 # --------------------------------------------------------------------------- entries (tables and cache)

@@ -33,6 +33,7 @@ with the scratch they share laid out as named regions of one int32 buffer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ import triton
 
 from .. import env
 from . import (MIN_CUDA_CAPABILITY, cuda_capability, device_name, expert_sort, gluon_helpers, prefill, prefill_dot,
-               w13_gluon, w13_tl, w2_gluon, w2_tl)
+               prefill_wgmma, w13_gluon, w13_tl, w2_gluon, w2_tl)
 from .awq_mma import CHUNK_ROWS, TILE_WORDS
 from .carveout import prefer_max_shared_carveout
 from .combine import COMBINE_BLOCK, combine_kernel, combine_valid_kernel
@@ -467,7 +468,7 @@ def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig
     regions = sort_regions + gemm_regions
     launches = (
         *sort_launches,
-        *_prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config),
+        *_prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config, capability),
         Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
                ("row_out16", "topk_weights", "topk_ids", "out", "out_stride"),
                _items(dict(TOP_K=top_k, K=K, E=E, BLOCK_K=COMBINE_BLOCK)), _items({"num_warps": 2}), False),
@@ -481,8 +482,37 @@ PREFILL_W2_ARGS = ("act16", "sorted_rows", "group_expert", "group_start", "group
                    "w2_qweight", "w2_scales", "w2_qzeros", "row_out16")
 
 
-def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig) -> Tuple[Launch, Launch]:
-    """The prefill route's W13 + SiLU and W2 launches of ``config.kernel``'s family."""
+def wgmma_runs(capability: Tuple[int, int], K: int, N: int, G: int) -> bool:
+    """Whether the wgmma prefill kernels serve this shape here: Gluon runs, the GPU is a Hopper
+    (wgmma is sm_90's), and the shape tiles (W2 in 128-column tiles, steps of 32 rows)."""
+    return (gluon_runs(capability) and capability[0] == 9 and K % prefill_wgmma.TILE_COLUMNS == 0
+            and N % prefill_wgmma.STEP_ROWS == 0 and G % prefill_wgmma.STEP_ROWS == 0 and K % (2 * 32) == 0)
+
+
+def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig,
+                   capability: Tuple[int, int] = (0, 0)) -> Tuple[Launch, Launch]:
+    """The prefill route's W13 + SiLU and W2 launches of ``config.kernel``'s family (a wgmma config
+    where those kernels do not run: the mma kernels for groups of up to 32 rows, else the dot
+    kernels over the same groups)."""
+    if config.kernel == "wgmma" and wgmma_runs(capability, K, N, G):
+        w2_programs = triton.cdiv(K // prefill_wgmma.TILE_COLUMNS, prefill_wgmma.W2_TILES_PER_PROGRAM)
+        return (
+            Launch("w13_prefill_wgmma", "w13", prefill_wgmma.w13_wgmma_kernel, (max_groups * triton.cdiv(N, 64),),
+                   PREFILL_W13_ARGS,
+                   _items(dict(TOP_K=top_k, K=K, N=N, G=G, BLOCK_ROWS=config.block_rows, STAGES=config.w13_stages,
+                               IS_BF16=is_bf16, SUB=config.w13_block_k // prefill_wgmma.STEP_ROWS)),
+                   _items({"num_warps": 4}), False),
+            Launch("w2_prefill_wgmma", "w2", prefill_wgmma.w2_wgmma_kernel, (max_groups * w2_programs,),
+                   PREFILL_W2_ARGS,
+                   _items(dict(K=K, N=N, G=G, BLOCK_ROWS=config.block_rows,
+                               TILES_PER_PROGRAM=prefill_wgmma.W2_TILES_PER_PROGRAM, STAGES=config.w2_stages,
+                               IS_BF16=is_bf16)),
+                   _items({"num_warps": 4}), False),
+        )
+    if config.kernel == "wgmma":  # not here: what served the same token counts before them
+        config = (PrefillConfig(token_blocks=1) if config.block_rows <= 32 else
+                  dataclasses.replace(config, kernel="dot", w13_block_n=64, w13_block_k=64, w13_warps=4,
+                                      w13_stages=4, w2_block_n=128, w2_warps=4, w2_stages=3))
     if config.kernel == "dot":
         block_k = config.w13_block_k
         if K % block_k or (block_k % G and G % block_k):

@@ -1,0 +1,343 @@
+"""The prefill route's two GEMMs on Hopper's wgmma, the dequantized weights as its register A operand.
+
+The GEMM runs transposed, out^T = W^T x^T: the weight columns are the wgmma's M (128 per program,
+two m64 blocks), the group's sorted rows its N (BLOCK_ROWS tokens), the reduction its K in steps
+of one AWQ group's 32 rows. Each step's packed words go from global memory to a shared ring by
+``cp.async`` and from there to registers, where PTX turns them into the A operand in the layout
+wgmma reads from registers: no dequantized tile is ever stored to shared memory (the ``tl.dot``
+kernels of ``prefill_dot.py`` store one per step, and wait on a barrier for it). The tokens' rows
+(the B operand, K-major) go to a second ring by ``cp.async``::
+
+    [W13]  program (group, tile): the tile's 64 gate and the same 64 up columns (rows r = 0, 1 of A)
+           per step: words[32, 16] -> A[128, 32] (registers)   x rows[BLOCK_ROWS, 32] -> B (shared)
+                     acc[128, BLOCK_ROWS] += A @ B             (wgmma, float32)
+           -> act[sorted position, cols] = silu(gate) * up, in the activation dtype
+    [W2]   program (group, TILES_PER_PROGRAM tiles of 128 output columns): the group's act rows
+           [BLOCK_ROWS, N] copied once to shared memory, then per tile N / 32 steps as W13's
+           -> row_out[routed row, cols] in the activation dtype
+    then the combine (combine.py), as the other prefill kernels.
+
+A's rows and the words: thread (warp w, lane 4 g + t) holds, as the m16n8k16 fragment does in
+each of wgmma's m64 blocks, rows g and g + 8 of block 16 w; with g = 4 gh + b, its rows in block r
+are the nibbles 2 b and 2 b + 1 (h = 0, 1) of word 8 r + 2 w + gh of the tile, at reduction rows
+2 t, 2 t + 1 (+8, +16, +24). A PRMT of the words of rows (k, k + 1) brings byte b of each into one
+register, and one LOP3 per nibble gives the fp16 (bf16) pair (magic + q) of both rows, from which
+one pair subtract of (magic + z) and one pair multiply by the column's scale make the pair of A:
+(q - z) * scale rounded to the activation dtype, as the ``dot`` kernels and vLLM's Triton AWQ
+kernels round it. Which logical column a row is (``_tile_columns``) is a permutation of the row's
+bits, so the outputs are reordered by reshapes alone.
+
+Gluon only (no interpreter): where it does not run, the plan takes the ``dot`` kernels.
+"""
+
+from triton.language import constexpr as _constexpr
+
+from .gluon_helpers import AVAILABLE
+
+STEP_ROWS = 32  # reduction rows per step: one AWQ group of 32 (or a part of a larger one)
+TILE_COLUMNS = 128  # A rows per program: two m64 blocks
+W2_TILES_PER_PROGRAM = 4  # W2: 128-column tiles per program (the act rows copied once for them)
+
+# fp16: nibble 2b at bits 0-3 | 0x6400 is 1024 + q, nibble 2b + 1 at bits 4-7 | 0x5400 is 64 + q;
+# bf16: each nibble shifted to bits 0-3 | 0x4300 is 128 + q
+_F16_ASM = _constexpr("""{
+.reg .b32 x, a0, a1;
+prmt.b32 x, $2, $3, $4;
+lop3.b32 a0, x, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a1, x, 0x00F000F0, 0x54005400, 0xEA;
+sub.f16x2 a0, a0, $6;
+sub.f16x2 a1, a1, $8;
+mul.rn.f16x2 $0, a0, $10;
+mul.rn.f16x2 $1, a1, $11;
+}""")
+_BF16_ASM = _constexpr("""{
+.reg .b32 x, x4, a0, a1;
+prmt.b32 x, $2, $3, $4;
+shr.u32 x4, x, 4;
+lop3.b32 a0, x, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 a1, x4, 0x000F000F, 0x43004300, 0xEA;
+sub.rn.bf16x2 a0, a0, $6;
+sub.rn.bf16x2 a1, a1, $8;
+mul.rn.bf16x2 $0, a0, $10;
+mul.rn.bf16x2 $1, a1, $11;
+}""")
+# the zero word's byte b as the pairs (magic + z) of both nibbles (the same in both halves)
+_F16_ZERO_ASM = _constexpr("""{
+.reg .b32 x;
+prmt.b32 x, $2, $2, $3;
+lop3.b32 $0, x, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $1, x, 0x00F000F0, 0x54005400, 0xEA;
+}""")
+_BF16_ZERO_ASM = _constexpr("""{
+.reg .b32 x, x4;
+prmt.b32 x, $2, $2, $3;
+shr.u32 x4, x, 4;
+lop3.b32 $0, x, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 $1, x4, 0x000F000F, 0x43004300, 0xEA;
+}""")
+
+if AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+    from .gluon_helpers import async_copy
+
+    # [32 (k), 16 (word of the tile), 4 (byte b)]: k = 2 t + {0, 1} (+8, +16, +24), word = 8 r + 2 w + gh,
+    # lanes (t, b, gh), warps w: the threads' share of A before its rows are spelled out
+    _WORDS3 = gl.BlockedLayout([2, 1, 1], [4, 2, 4], [1, 4, 1], [0, 2, 1])
+    _WORDS2 = gl.SliceLayout(2, _WORDS3)  # [32, 16]: the words each thread needs (lanes b share them)
+    _COLS2 = gl.SliceLayout(0, _WORDS3)  # [16, 4]: per (word, byte)
+    _COPY_WORDS = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [32, 16] int32, 16 bytes a thread
+    _COPY_ROWS = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [rows, 32] 16-bit, 16 bytes a thread
+    # the words ring: conflict-free reads of rows 2 t (+1) by the four t of a warp
+    _RING_WORDS = gl.SwizzledSharedLayout(4, 2, 4, [1, 0])
+    _RING_ROWS = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+
+    @gluon.jit
+    def _selectors():
+        """PRMT selectors: byte b of two words into bytes 0 and 2 ([1, 1, 4] over _WORDS3), and a zero
+        word's byte b into bytes 0 and 2 ([1, 4] over _COLS2)."""
+        b3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _WORDS3)))[None, None, :]
+        b2 = gl.arange(0, 4, layout=gl.SliceLayout(0, _COLS2))[None, :]
+        return b3 * 0x1111 + 0x4400, b2 * 0x0101
+
+    @gluon.jit
+    def _tile_columns(word_base, word_stride_r):
+        """[16, 4] over _COLS2 (word of the tile wd = 8 r + 2 w + gh, byte b): the packed column of
+        each word (base + r * stride + wd % 8), the logical columns of its nibbles 2 b and 2 b + 1,
+        and wd % 8 (the word's place in its block of A)."""
+        wd = gl.arange(0, 16, layout=gl.SliceLayout(1, _COLS2))[:, None]
+        b = gl.arange(0, 4, layout=gl.SliceLayout(0, _COLS2))[None, :]
+        word = word_base + (wd // 8) * word_stride_r + wd % 8 + b * 0
+        # AutoAWQ: nibble p holds column 2 (p % 4) + p // 4 of its word's 8; p = 2 b + h
+        col_lo = word * 8 + 2 * ((2 * b) % 4) + (2 * b) // 4
+        col_hi = word * 8 + 2 * ((2 * b + 1) % 4) + (2 * b + 1) // 4
+        return word, col_lo, col_hi, wd % 8 + b * 0
+
+    @gluon.jit
+    def _zero_pairs(zero_words, zero_pick, IS_BF16: gl.constexpr):
+        """(magic + z) pairs [1, 16, 4] of nibbles 2 b and 2 b + 1 of each zero word [16, 4]."""
+        asm: gl.constexpr = _BF16_ZERO_ASM if IS_BF16 else _F16_ZERO_ASM
+        lo, hi = gl.inline_asm_elementwise(asm, "=r,=r,r,r", [zero_words, gl.broadcast(zero_pick, zero_words)[0]],
+                                           dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        return lo[None, :, :], hi[None, :, :]
+
+    @gluon.jit
+    def _dequantize(words, zero_lo, zero_hi, scale_lo, scale_hi, pick, IS_BF16: gl.constexpr,
+                    A_LAYOUT: gl.constexpr):
+        """A [128, 32] in ``A_LAYOUT`` from one step's words [32, 16] (``_WORDS2``) and the (word, byte)
+        pairs [1, 16, 4] of the zeros and scales of nibbles 2 b (lo) and 2 b + 1 (hi)."""
+        w3 = gl.broadcast(words[:, :, None], pick)[0]
+        asm: gl.constexpr = _BF16_ASM if IS_BF16 else _F16_ASM
+        lo, hi = gl.inline_asm_elementwise(
+            asm, "=r,=r,r,r,r,r,r,r,r,r,r,r",
+            [w3, gl.broadcast(pick, w3)[0], gl.broadcast(zero_lo, w3)[0], gl.broadcast(zero_hi, w3)[0],
+             gl.broadcast(scale_lo, w3)[0], gl.broadcast(scale_hi, w3)[0]],
+            dtype=(scale_lo.dtype, scale_lo.dtype), is_pure=True, pack=2)
+        # [k, word (r, w1, w0, gh), byte (b1, b0), h] -> A row 64 r + 16 w + 8 h + 4 gh + b
+        a = gl.join(lo, hi)
+        a = gl.reshape(a, [32, 2, 2, 2, 2, 2, 2, 2])
+        a = gl.permute(a, [1, 2, 3, 7, 4, 5, 6, 0])
+        a = gl.reshape(a, [128, 32])
+        return gl.convert_layout(a, A_LAYOUT)
+
+    @gluon.jit
+    def _in_column_order(acc, n: gl.constexpr):
+        """acc [128, n] with its rows reordered from A's (64 r + 16 w + 8 h + 4 gh + b) to the tile's
+        logical columns (64 r + 32 w1 + 16 w0 + 8 gh + 4 b0 + 2 h + b1): reshapes, no data moved."""
+        a = gl.reshape(acc, [2, 2, 2, 2, 2, 2, 2, n])  # r, w1, w0, h, gh, b1, b0
+        a = gl.permute(a, [0, 1, 2, 4, 6, 3, 5, 7])  # r, w1, w0, gh, b0, h, b1
+        return gl.reshape(a, [128, n])
+
+    @gluon.jit
+    def _wait_for_step(STAGES: gl.constexpr):
+        """This step's copies landed (every thread's; the ring holds STAGES - 1 steps ahead) and every
+        thread is past the previous step's wgmma."""
+        async_copy.wait_group(STAGES - 2)
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _step_scales(k0, expert_scales, expert_zeros, col_lo, col_hi, ok, zero_pick, COLS: gl.constexpr,
+                     G: gl.constexpr, PACKED: gl.constexpr, IS_BF16: gl.constexpr):
+        """The scales and zero pairs of reduction rows k0 .. k0 + 31 (one AWQ group's) for _dequantize."""
+        group = k0 // G
+        s_lo = gl.load(expert_scales + group * COLS + col_lo, mask=ok, other=0.0)[None, :, :]
+        s_hi = gl.load(expert_scales + group * COLS + col_hi, mask=ok, other=0.0)[None, :, :]
+        z_lo, z_hi = _zero_pairs(gl.load(expert_zeros + group * PACKED, mask=ok, other=0), zero_pick, IS_BF16)
+        return s_lo, s_hi, z_lo, z_hi
+
+    @gluon.jit
+    def _w13_copy_step(step, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok, PACKED: gl.constexpr,
+                       STAGES: gl.constexpr, SUB: gl.constexpr):
+        """Step ``step``'s words and token rows (SUB pieces of 32 reduction rows) into its ring stage."""
+        for u in gl.static_range(SUB):
+            k0 = (step * SUB + u) * 32
+            async_copy.async_copy_global_to_shared(ring_words.index((step % STAGES) * SUB + u),
+                                                   words_src + k0 * PACKED, mask=word_ok)
+            async_copy.async_copy_global_to_shared(ring_rows.index((step % STAGES) * SUB + u), rows_src + k0,
+                                                   mask=row_ok)
+
+    @gluon.jit
+    def w13_wgmma_kernel(
+        x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, num_groups_ptr,
+        qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
+        TOP_K: gl.constexpr, K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, BLOCK_ROWS: gl.constexpr,
+        STAGES: gl.constexpr, IS_BF16: gl.constexpr, SUB: gl.constexpr = 1,
+    ):
+        """act[position, cols] = silu(x W13_gate) * (x W13_up) for the group's rows, 64 columns per program;
+        a step is SUB pieces of 32 reduction rows (one wait and one barrier for all of them)."""
+        TILES: gl.constexpr = (N + 63) // 64
+        PACKED: gl.constexpr = 2 * N // 8
+        STEPS: gl.constexpr = K // (32 * SUB)
+        pid = gl.program_id(0)
+        group_id = pid // TILES
+        tile = pid % TILES
+        if group_id >= gl.load(num_groups_ptr):
+            return
+        expert = gl.load(group_expert_ptr + group_id).to(gl.int64)
+        start = gl.load(group_start_ptr + group_id)
+        count = gl.load(group_count_ptr + group_id)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_ROWS, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+
+        # a step's words: the tile's 8 gate words, then the same 8 up words (A's blocks r = 0, 1)
+        ck = gl.arange(0, 32, layout=gl.SliceLayout(1, _COPY_WORDS))[:, None]
+        cw = gl.arange(0, 16, layout=gl.SliceLayout(0, _COPY_WORDS))[None, :]
+        word_ok = (tile * 8 + cw % 8 < N // 8) & (ck >= 0)
+        words_src = qweight_ptr + expert * (K * PACKED) + ck * PACKED + tile * 8 + cw % 8 + (cw // 8) * (N // 8)
+        # a step's token rows: x rows in the sort's order
+        rr = gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(1, _COPY_ROWS))[:, None]
+        rk = gl.arange(0, 32, layout=gl.SliceLayout(0, _COPY_ROWS))[None, :]
+        row_ok = (rr < count) & (rk >= 0)
+        token = (gl.load(sorted_rows_ptr + start + rr, mask=rr < count, other=0) // TOP_K).to(gl.int64)
+        rows_src = x_ptr + token * stride_xm + rk
+
+        ring_words = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, 32, 16], _RING_WORDS)
+        ring_rows = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES * SUB, BLOCK_ROWS, 32], _RING_ROWS)
+        for s in gl.static_range(STAGES - 1):
+            _w13_copy_step(s, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok, PACKED, STAGES, SUB)
+            async_copy.commit_group()
+
+        pick, zero_pick = _selectors()
+        word, col_lo, col_hi, local = _tile_columns(tile * 8, N // 8)
+        ok = tile * 8 + local < N // 8
+        expert_scales = scales_ptr + expert * (K // G * 2 * N)
+        expert_zeros = qzeros_ptr + expert * (K // G * PACKED) + word
+        acc = gl.zeros([128, BLOCK_ROWS], gl.float32, layout=mma)
+        for i in range(STEPS):
+            # the step's scales and zeros requested before the wait, A made from each piece once it landed
+            s_lo, s_hi, z_lo, z_hi = _step_scales(i * SUB * 32, expert_scales, expert_zeros, col_lo, col_hi, ok,
+                                                  zero_pick, 2 * N, G, PACKED, IS_BF16)
+            if SUB == 2:
+                s_lo1, s_hi1, z_lo1, z_hi1 = _step_scales(i * SUB * 32 + 32, expert_scales, expert_zeros, col_lo,
+                                                          col_hi, ok, zero_pick, 2 * N, G, PACKED, IS_BF16)
+            _wait_for_step(STAGES)
+            if i + STAGES - 1 < STEPS:  # into the stage of step i - 1, whose wgmma every thread waited for
+                _w13_copy_step(i + STAGES - 1, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok, PACKED,
+                               STAGES, SUB)
+            async_copy.commit_group()
+            stage = (i % STAGES) * SUB
+            a = _dequantize(ring_words.index(stage).load(_WORDS2), z_lo, z_hi, s_lo, s_hi, pick, IS_BF16, a_layout)
+            acc = warpgroup_mma(a, ring_rows.index(stage).permute((1, 0)), acc, is_async=True)
+            if SUB == 2:
+                a1 = _dequantize(ring_words.index(stage + 1).load(_WORDS2), z_lo1, z_hi1, s_lo1, s_hi1, pick,
+                                 IS_BF16, a_layout)
+                acc = warpgroup_mma(a1, ring_rows.index(stage + 1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        async_copy.wait_group(0)
+
+        out = _in_column_order(acc, BLOCK_ROWS)
+        gate, up = gl.split(gl.permute(gl.reshape(out, [2, 64, BLOCK_ROWS]), [1, 2, 0]))
+        act = (gate / (1.0 + gl.exp(-gate)) * up).to(act_ptr.dtype.element_ty)
+        store: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+        act = gl.convert_layout(act, store)
+        c = gl.arange(0, 64, layout=gl.SliceLayout(1, store))[:, None]
+        n = gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(0, store))[None, :]
+        cols = tile * 64 + c
+        gl.store(act_ptr + (start + n).to(gl.int64) * N + cols, act, mask=(cols < N) & (n < count))
+
+    @gluon.jit
+    def w2_wgmma_kernel(
+        act_ptr, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, num_groups_ptr,
+        qweight_ptr, scales_ptr, qzeros_ptr, row_out_ptr,
+        K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, BLOCK_ROWS: gl.constexpr,
+        TILES_PER_PROGRAM: gl.constexpr, STAGES: gl.constexpr, IS_BF16: gl.constexpr,
+    ):
+        """row_out[row, cols] = act[position] @ W2[expert][:, cols] for the group's rows,
+        TILES_PER_PROGRAM tiles of 128 columns per program."""
+        PACKED: gl.constexpr = K // 8
+        TILES: gl.constexpr = K // 128
+        PROGRAMS: gl.constexpr = (TILES + TILES_PER_PROGRAM - 1) // TILES_PER_PROGRAM  # per group
+        SUB: gl.constexpr = N // 32  # steps per tile
+        pid = gl.program_id(0)
+        group_id = pid // PROGRAMS
+        first_tile = (pid % PROGRAMS) * TILES_PER_PROGRAM
+        if group_id >= gl.load(num_groups_ptr):
+            return
+        expert = gl.load(group_expert_ptr + group_id).to(gl.int64)
+        start = gl.load(group_start_ptr + group_id)
+        count = gl.load(group_count_ptr + group_id)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_ROWS, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+
+        # the group's act rows (contiguous: act is in sorted positions), once: [SUB, rows, 32]
+        rr = gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(1, _COPY_ROWS))[:, None]
+        rk = gl.arange(0, 32, layout=gl.SliceLayout(0, _COPY_ROWS))[None, :]
+        row_ok = (rr < count) & (rk >= 0)
+        act_smem = gl.allocate_shared_memory(act_ptr.dtype.element_ty, [SUB, BLOCK_ROWS, 32], _RING_ROWS)
+        for s in gl.static_range(SUB):
+            async_copy.async_copy_global_to_shared(act_smem.index(s), act_ptr + (start + rr).to(gl.int64) * N
+                                                   + s * 32 + rk, mask=row_ok)
+        async_copy.commit_group()
+
+        # step j: tile first_tile + j // SUB, reduction rows 32 (j % SUB) ..
+        ck = gl.arange(0, 32, layout=gl.SliceLayout(1, _COPY_WORDS))[:, None]
+        cw = gl.arange(0, 16, layout=gl.SliceLayout(0, _COPY_WORDS))[None, :]
+        words_src = qweight_ptr + expert * (N * PACKED) + ck * PACKED + first_tile * 16 + cw
+        STEPS: gl.constexpr = TILES_PER_PROGRAM * SUB
+        ring_words = gl.allocate_shared_memory(gl.int32, [STAGES, 32, 16], _RING_WORDS)
+        for p in gl.static_range(STAGES - 1):
+            if p < STEPS:
+                async_copy.async_copy_global_to_shared(
+                    ring_words.index(p), words_src + (p % SUB) * 32 * PACKED + (p // SUB) * 16,
+                    mask=(first_tile + p // SUB < TILES) & (cw >= 0) & (ck >= 0))
+            async_copy.commit_group()
+
+        pick, zero_pick = _selectors()
+        word, col_lo, col_hi, local = _tile_columns(0, 8)
+        expert_scales = scales_ptr + expert * (N // G * K)
+        expert_zeros = qzeros_ptr + expert * (N // G * PACKED)
+        store: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
+        c = gl.arange(0, 128, layout=gl.SliceLayout(1, store))[:, None]
+        n = gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(0, store))[None, :]
+        out_row = gl.load(sorted_rows_ptr + start + n, mask=n < count, other=0).to(gl.int64)
+        for tt in range(TILES_PER_PROGRAM):
+            tile = first_tile + tt
+            tile_ok = tile < TILES
+            acc = gl.zeros([128, BLOCK_ROWS], gl.float32, layout=mma)
+            for s in gl.static_range(SUB):
+                j = tt * SUB + s
+                group = (s * 32) // G
+                ok = tile_ok & (local >= 0)
+                s_lo = gl.load(expert_scales + group * K + tile * 128 + col_lo, mask=ok, other=0.0)[None, :, :]
+                s_hi = gl.load(expert_scales + group * K + tile * 128 + col_hi, mask=ok, other=0.0)[None, :, :]
+                z_lo, z_hi = _zero_pairs(gl.load(expert_zeros + group * PACKED + tile * 16 + word, mask=ok, other=0),
+                                         zero_pick, IS_BF16)
+                _wait_for_step(STAGES)
+                nxt = j + STAGES - 1
+                if nxt < STEPS:
+                    async_copy.async_copy_global_to_shared(
+                        ring_words.index(nxt % STAGES), words_src + (nxt % SUB) * 32 * PACKED + (nxt // SUB) * 16,
+                        mask=(first_tile + nxt // SUB < TILES) & (cw >= 0) & (ck >= 0))
+                async_copy.commit_group()
+                words = ring_words.index(j % STAGES).load(_WORDS2)
+                a = _dequantize(words, z_lo, z_hi, s_lo, s_hi, pick, IS_BF16, a_layout)
+                acc = warpgroup_mma(a, act_smem.index(s).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            out = gl.convert_layout(_in_column_order(acc, BLOCK_ROWS).to(row_out_ptr.dtype.element_ty), store)
+            gl.store(row_out_ptr + out_row * K + tile * 128 + c, out, mask=(n < count) & tile_ok & (c >= 0))
+        async_copy.wait_group(0)
