@@ -6,8 +6,10 @@
     w2_gluon.py      W2 + SiLU + fused combine, weights staged in shared memory (Gluon)
     w2_tl.py         the same W2 in Triton tl
     expert_sort.py   the prefill route's on-device sort of the routed rows into per-expert groups
-    prefill.py       the prefill route's W13 + SiLU and W2 over those groups (mma.sync, 8-32 rows)
-    prefill_dot.py   the same on tl.dot over groups of 64-256 rows (from ~1000 tokens)
+    prefill_wgmma.py the prefill route's W13 + SiLU and W2 over those groups on wgmma, the weights its
+                     register operand (Gluon, Hopper: what the H200's table names)
+    prefill.py       the same on mma.sync over groups of 8-32 rows (elsewhere, up to 32-row groups)
+    prefill_dot.py   the same on tl.dot over groups of 16-256 rows (elsewhere, larger groups)
     combine.py       the weighted combine over a token's k rows (both routes)
     awq_mma.py       AutoAWQ nibbles dequantized into mma.sync fragments (inline PTX; interpreter emulation)
     awq_tiles.py     AutoAWQ's column order; silu_mul

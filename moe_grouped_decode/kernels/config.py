@@ -138,7 +138,7 @@ class PrefillConfig:
     (prefill_dot.py, groups of block_rows rows, tl.dot on weight tiles dequantized in registers)
     or the ``wgmma`` kernels (prefill_wgmma.py, Hopper and Gluon only, groups of block_rows rows,
     the GEMM transposed with the dequantized weights as wgmma's register operand; elsewhere the
-    plan runs the dot kernels over the same groups)."""
+    plan runs the mma kernels for up to 32-row groups, the dot kernels above)."""
 
     token_blocks: int = 1  # mma: 8-row B operands per program (rows per group / 8): 1, 2 or 4
     w13_warps: int = 4  # mma: warps over K (chunks unrolled); dot: num_warps

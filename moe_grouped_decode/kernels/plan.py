@@ -27,7 +27,8 @@ and ``w2_rn_scale`` (the tl W2 with the Gluon W2's scale rounding, for the test 
 their bits).
 
 The prefill route's plan (``prefill_plan``, ``launch_prefill``): the sort's four launches
-(``expert_sort.py``), W13 + SiLU and W2 over the sorted groups (``prefill.py``) and the combine,
+(``expert_sort.py``), W13 + SiLU and W2 over the sorted groups (``prefill_wgmma.py`` on a Hopper,
+``prefill.py`` or ``prefill_dot.py`` elsewhere, by the config) and the combine,
 with the scratch they share laid out as named regions of one int32 buffer.
 """
 
