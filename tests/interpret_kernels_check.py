@@ -262,6 +262,11 @@ def main() -> None:
         (16, 2, 256, 64, 32, 40, "random", torch.bfloat16,
          PrefillConfig(kernel="dot", block_rows=32, w13_block_n=64, w13_block_k=64), True),
         (8, 3, 256, 96, 32, 20, "single_hot", torch.float16, PrefillConfig(kernel="dot", w13_block_k=128), False),
+        # the wgmma configs (Hopper only) where they do not run: the sort groups the rows for the
+        # kernels that run instead (8-row groups of the mma kernels; the dot kernels' 64)
+        (8, 3, 64, 32, 32, 20, "single_hot", torch.float16,
+         PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=64, w13_stages=3, w2_stages=4), True),
+        (8, 3, 128, 96, 32, 20, "single_hot", torch.bfloat16, PrefillConfig(kernel="wgmma", block_rows=64), False),
     ]
     for E, k, K, N, G, M, pattern, dtype, config, bad in prefill_cases:
         weights = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + M + 1)
@@ -278,7 +283,7 @@ def main() -> None:
         scratch = torch.full((plan.scratch_numel,), -7, dtype=torch.int32)
         launch_prefill(x, tw, ids, weights, out, config, scratch=scratch)
         check(name, out, reference_moe(x, ref_tw, ids.clamp(0, E - 1), weights), dtype)
-        check_groups(name, ids, plan.scratch_views(scratch), config.group_rows, E)
+        check_groups(name, ids, plan.scratch_views(scratch), plan.config.group_rows, E)
         # a token's bits do not depend on the rows that share its groups (batch-invariant mode's
         # premise): the last token alone gives the same bits
         alone = output_buffer(x[-1:])

@@ -414,6 +414,11 @@ def test_prefill_wgmma_plan_on_hopper_and_what_runs_elsewhere(rows):
         other = plan.prefill_plan(300, 10, 512, 2560, 160, 32, torch.float16, capability, cfg)
         w13 = next(launch for launch in other.launches if launch.stage == "w13")
         assert w13.name == ("w13_prefill" if rows <= 32 else "w13_prefill_dot"), (capability, w13.name)
+        # the sort groups the rows for the kernels that run: the plan carries their config
+        assert other.config == plan.prefill_config_run(cfg, capability, 2560, 160, 32)
+        assert other.config.group_rows == (8 if rows <= 32 else rows)
+        sort_groups = next(launch for launch in other.launches if launch.name == "sort_groups")
+        assert dict(sort_groups.constexprs)["T"] == other.config.group_rows
     with pytest.raises(ValueError, match="wgmma kernels take"):
         plan.PrefillConfig(kernel="wgmma", block_rows=512)
     with pytest.raises(ValueError, match="wgmma kernels take"):

@@ -464,12 +464,13 @@ def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig
                          f"{CHUNK_ROWS.value} (the tensor-core chunk)")
     rows = M * top_k
     is_bf16 = dtype == torch.bfloat16
+    config = prefill_config_run(config, capability, K, N, G)
     sort_launches, sort_regions, sort_numel, max_groups = _sort_stage(M, top_k, E, config.group_rows, check_ids)
     gemm_regions, offset = _layout((("act16", (rows, N), True), ("row_out16", (rows, K), True)), sort_numel)
     regions = sort_regions + gemm_regions
     launches = (
         *sort_launches,
-        *_prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config, capability),
+        *_prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config),
         Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
                ("row_out16", "topk_weights", "topk_ids", "out", "out_stride"),
                _items(dict(TOP_K=top_k, K=K, E=E, BLOCK_K=COMBINE_BLOCK)), _items({"num_warps": 2}), False),
@@ -490,12 +491,23 @@ def wgmma_runs(capability: Tuple[int, int], K: int, N: int, G: int) -> bool:
             and N % prefill_wgmma.STEP_ROWS == 0 and G % prefill_wgmma.STEP_ROWS == 0 and K % (2 * 32) == 0)
 
 
-def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig,
-                   capability: Tuple[int, int] = (0, 0)) -> Tuple[Launch, Launch]:
-    """The prefill route's W13 + SiLU and W2 launches of ``config.kernel``'s family (a wgmma config
-    where those kernels do not run: the mma kernels for groups of up to 32 rows, else the dot
-    kernels over the same groups)."""
-    if config.kernel == "wgmma" and wgmma_runs(capability, K, N, G):
+def prefill_config_run(config: PrefillConfig, capability: Tuple[int, int], K: int, N: int, G: int) -> PrefillConfig:
+    """The config the prefill route runs for ``config`` here: itself, but for a wgmma config where
+    those kernels do not run (``wgmma_runs``) what served the same token counts before them: the
+    mma kernels over 8-row groups for groups of up to 32 rows, else the dot kernels over the same
+    groups. The sort groups the rows by the config this returns."""
+    if config.kernel != "wgmma" or wgmma_runs(capability, K, N, G):
+        return config
+    if config.block_rows <= 32:
+        return PrefillConfig(token_blocks=1)
+    return dataclasses.replace(config, kernel="dot", w13_block_n=64, w13_block_k=64, w13_warps=4, w13_stages=4,
+                               w2_block_n=128, w2_warps=4, w2_stages=3)
+
+
+def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig) -> Tuple[Launch, Launch]:
+    """The prefill route's W13 + SiLU and W2 launches of ``config.kernel``'s family (a config
+    ``prefill_config_run`` returned)."""
+    if config.kernel == "wgmma":
         w2_programs = triton.cdiv(K // prefill_wgmma.TILE_COLUMNS, prefill_wgmma.W2_TILES_PER_PROGRAM)
         return (
             Launch("w13_prefill_wgmma", "w13", prefill_wgmma.w13_wgmma_kernel, (max_groups * triton.cdiv(N, 64),),
@@ -510,10 +522,6 @@ def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig,
                                IS_BF16=is_bf16)),
                    _items({"num_warps": 4}), False),
         )
-    if config.kernel == "wgmma":  # not here: what served the same token counts before them
-        config = (PrefillConfig(token_blocks=1) if config.block_rows <= 32 else
-                  dataclasses.replace(config, kernel="dot", w13_block_n=64, w13_block_k=64, w13_warps=4,
-                                      w13_stages=4, w2_block_n=128, w2_warps=4, w2_stages=3))
     if config.kernel == "dot":
         block_k = config.w13_block_k
         if K % block_k or (block_k % G and G % block_k):
