@@ -32,6 +32,7 @@ from triton.compiler import ASTSource
 from moe_grouped_decode.contract import QWEN38_TP4 as c
 from moe_grouped_decode.kernels import config as kernel_config
 from moe_grouped_decode.kernels import plan as launch_plan
+from moe_grouped_decode.kernels import prefill_wgmma
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -228,7 +229,7 @@ def prefill_kernels(dtype, M, config):
     ints = dict(x_stride=K, out_stride=K, rows=M * k, num_blocks=1, max_groups=1)
     weights = {"w13_prefill": K * 64, "w2_prefill": N * 64 * config.w2_warps,
                "w13_prefill_dot": K * 2 * config.w13_block_n, "w2_prefill_dot": N * config.w2_block_n,
-               "w13_prefill_wgmma": K * 128, "w2_prefill_wgmma": N * 128 * 4}
+               "w13_prefill_wgmma": K * 128, "w2_prefill_wgmma": N * 128 * prefill_wgmma.W2_TILES_PER_PROGRAM}
     tag = (f"tb={config.token_blocks}" if config.kernel == "mma" else
            f"wgmma rows={config.block_rows} stages={config.w13_stages},{config.w2_stages}" if config.kernel == "wgmma" else
            f"rows={config.block_rows} n={config.w13_block_n},{config.w2_block_n} warps={config.w13_warps},"

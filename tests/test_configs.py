@@ -419,8 +419,13 @@ def test_prefill_wgmma_plan_on_hopper_and_what_runs_elsewhere(rows):
         assert other.config.group_rows == (8 if rows <= 32 else rows)
         sort_groups = next(launch for launch in other.launches if launch.name == "sort_groups")
         assert dict(sort_groups.constexprs)["T"] == other.config.group_rows
+    # a group's act rows too large for W2's shared memory (N = 1024: over 96 KiB from 64 rows on):
+    # the other kernels, on a Hopper too
+    wide = plan.prefill_plan(300, 10, 512, 2560, 1024, 32, torch.float16, (9, 0), cfg)
+    if plan.gluon_runs((9, 0)):
+        assert any("wgmma" in launch.name for launch in wide.launches) == (rows == 16), rows
     with pytest.raises(ValueError, match="wgmma kernels take"):
-        plan.PrefillConfig(kernel="wgmma", block_rows=512)
+        plan.PrefillConfig(kernel="wgmma", block_rows=256)
     with pytest.raises(ValueError, match="wgmma kernels take"):
         plan.PrefillConfig(kernel="wgmma", w13_block_k=128)
 

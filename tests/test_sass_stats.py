@@ -248,7 +248,7 @@ for dtype in ("fp16", "bf16"):
 
 
 def test_the_wgmma_prefill_kernels_take_a_from_registers():
-    """The wgmma prefill kernels (both dtypes, the table's group sizes) compile for sm_90 within 255
+    """The wgmma prefill kernels (both dtypes, the table's configs) compile for sm_90 within 255
     registers and no stack, multiply with HGMMA whose A operand is registers, and store nothing to
     shared memory in W13's step loop (the dequantized weights never pass through it)."""
     code = r"""
@@ -257,8 +257,9 @@ sys.path.insert(0, BENCHMARKS)
 import sass_stats
 from moe_grouped_decode.kernels.config import PrefillConfig
 for dtype in ("fp16", "bf16"):
-    for rows in (16, 64):
-        cfg = PrefillConfig(kernel="wgmma", block_rows=rows, w13_stages=4, w2_stages=4)
+    for rows in (16, 64):  # the table's configs: 64-row W13 steps (two pieces of 32)
+        cfg = PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3 if rows == 16 else 4,
+                            w2_stages=4)
         for name, kernel, _, _ in sass_stats.prefill_kernels(dtype, 2048, cfg):
             launch = name.split()[2]
             if "wgmma" not in launch:
@@ -287,4 +288,4 @@ for dtype in ("fp16", "bf16"):
     loops = [line.split() for line in stdout.splitlines() if line.startswith("loop ")]
     assert len(loops) == 4, stdout
     for row in loops:
-        assert row[3] == "0" and row[4] == "4", row  # no shared store; two m64 blocks x two k16 per step
+        assert row[3] == "0" and row[4] == "8", row  # no shared store; two m64 blocks x four k16 per step

@@ -144,7 +144,7 @@ class PrefillConfig:
     w13_warps: int = 4  # mma: warps over K (chunks unrolled); dot: num_warps
     w2_warps: int = 4  # mma: warps of 64 output columns each; dot: num_warps
     kernel: str = "mma"  # "mma", "dot" or "wgmma"
-    block_rows: int = 16  # dot, wgmma: rows per group (the tl.dot M; wgmma's N), a power of two >= 16
+    block_rows: int = 16  # dot, wgmma: rows per group (the tl.dot M; wgmma's N, at most 128), a power of two >= 16
     w13_block_n: int = 32  # dot: gate columns per W13 program (and as many up columns)
     w13_block_k: int = 32  # dot: W13's reduction rows per step (a divisor or a multiple of G); wgmma: 32 or 64
     w2_block_n: int = 128  # dot: output columns per W2 program
@@ -157,9 +157,9 @@ class PrefillConfig:
                 raise ValueError(f"PrefillConfig.{field} must be at least 1, got {getattr(self, field)}")
         if self.kernel not in ("mma", "dot", "wgmma"):
             raise ValueError(f"PrefillConfig.kernel must be 'mma', 'dot' or 'wgmma', got {self.kernel!r}")
-        if self.kernel == "wgmma" and (self.block_rows > 256 or self.w13_stages < 2 or self.w2_stages < 2
+        if self.kernel == "wgmma" and (self.block_rows > 128 or self.w13_stages < 2 or self.w2_stages < 2
                                        or self.w13_block_k not in (32, 64)):
-            raise ValueError("PrefillConfig: the wgmma kernels take block_rows <= 256, rings of >= 2 stages and "
+            raise ValueError("PrefillConfig: the wgmma kernels take block_rows <= 128, rings of >= 2 stages and "
                              "w13_block_k 32 or 64")
         if self.token_blocks not in (1, 2, 4):
             raise ValueError(f"PrefillConfig.token_blocks must be 1, 2 or 4, got {self.token_blocks}")

@@ -1,4 +1,4 @@
-"""What the Gluon kernels (``w13_gluon.py``, ``w2_gluon.py``) share: whether Gluon is here, the
+"""What the Gluon kernels (``w13_gluon.py``, ``w2_gluon.py``, ``prefill_wgmma.py``) share: whether Gluon is here, the
 clock and SM reads of the timeline's stamps, and programmatic dependent launch.
 
 ``AVAILABLE`` is False on a Triton without ``triton.experimental.gluon``: then nothing below is

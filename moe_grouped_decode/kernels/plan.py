@@ -484,19 +484,22 @@ PREFILL_W2_ARGS = ("act16", "sorted_rows", "group_expert", "group_start", "group
                    "w2_qweight", "w2_scales", "w2_qzeros", "row_out16")
 
 
-def wgmma_runs(capability: Tuple[int, int], K: int, N: int, G: int) -> bool:
-    """Whether the wgmma prefill kernels serve this shape here: Gluon runs, the GPU is a Hopper
-    (wgmma is sm_90's), and the shape tiles (W2 in 128-column tiles, steps of 32 rows)."""
-    return (gluon_runs(capability) and capability[0] == 9 and K % prefill_wgmma.TILE_COLUMNS == 0
-            and N % prefill_wgmma.STEP_ROWS == 0 and G % prefill_wgmma.STEP_ROWS == 0 and K % (2 * 32) == 0)
+def wgmma_runs(capability: Tuple[int, int], K: int, N: int, G: int, block_rows: int = 64) -> bool:
+    """Whether the wgmma prefill kernels serve this shape here: Gluon with its Hopper API runs, the
+    GPU is a Hopper (wgmma is sm_90's), the shape tiles (W2 in 128-column tiles, 32-row pieces)
+    and W2's copy of a group's act rows, [block_rows, N] in 16 bits, leaves room in shared memory
+    for its ring (at most 96 KiB)."""
+    return (gluon_runs(capability) and prefill_wgmma.HOPPER_AVAILABLE and capability[0] == 9
+            and K % prefill_wgmma.TILE_COLUMNS == 0 and N % prefill_wgmma.STEP_ROWS == 0
+            and G % prefill_wgmma.STEP_ROWS == 0 and N * block_rows * 2 <= 96 * 1024)
 
 
 def prefill_config_run(config: PrefillConfig, capability: Tuple[int, int], K: int, N: int, G: int) -> PrefillConfig:
     """The config the prefill route runs for ``config`` here: itself, but for a wgmma config where
-    those kernels do not run (``wgmma_runs``) what served the same token counts before them: the
-    mma kernels over 8-row groups for groups of up to 32 rows, else the dot kernels over the same
-    groups. The sort groups the rows by the config this returns."""
-    if config.kernel != "wgmma" or wgmma_runs(capability, K, N, G):
+    those kernels do not run (``wgmma_runs``) the faster of the other kernels at those group sizes
+    on the H200 (runs 103 and 115): the mma kernels over 8-row groups for groups of up to 32 rows,
+    else the dot kernels over the same groups. The sort groups the rows by the config this returns."""
+    if config.kernel != "wgmma" or wgmma_runs(capability, K, N, G, config.block_rows):
         return config
     if config.block_rows <= 32:
         return PrefillConfig(token_blocks=1)
@@ -510,7 +513,8 @@ def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig) -
     if config.kernel == "wgmma":
         w2_programs = triton.cdiv(K // prefill_wgmma.TILE_COLUMNS, prefill_wgmma.W2_TILES_PER_PROGRAM)
         return (
-            Launch("w13_prefill_wgmma", "w13", prefill_wgmma.w13_wgmma_kernel, (max_groups * triton.cdiv(N, 64),),
+            Launch("w13_prefill_wgmma", "w13", prefill_wgmma.w13_wgmma_kernel,
+                   (max_groups * triton.cdiv(N, prefill_wgmma.TILE_COLUMNS // 2),),
                    PREFILL_W13_ARGS,
                    _items(dict(TOP_K=top_k, K=K, N=N, G=G, BLOCK_ROWS=config.block_rows, STAGES=config.w13_stages,
                                IS_BF16=is_bf16, SUB=config.w13_block_k // prefill_wgmma.STEP_ROWS)),

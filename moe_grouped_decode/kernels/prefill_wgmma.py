@@ -2,18 +2,18 @@
 
 The GEMM runs transposed, out^T = W^T x^T: the weight columns are the wgmma's M (128 per program,
 two m64 blocks), the group's sorted rows its N (BLOCK_ROWS tokens), the reduction its K in steps
-of one AWQ group's 32 rows. Each step's packed words go from global memory to a shared ring by
+of SUB pieces of 32 rows (each inside one AWQ group, whose scales and zeros it takes). Each step's packed words go from global memory to a shared ring by
 ``cp.async`` and from there to registers, where PTX turns them into the A operand in the layout
 wgmma reads from registers: no dequantized tile is ever stored to shared memory (the ``tl.dot``
 kernels of ``prefill_dot.py`` store one per step, and wait on a barrier for it). The tokens' rows
 (the B operand, K-major) go to a second ring by ``cp.async``::
 
     [W13]  program (group, tile): the tile's 64 gate and the same 64 up columns (rows r = 0, 1 of A)
-           per step: words[32, 16] -> A[128, 32] (registers)   x rows[BLOCK_ROWS, 32] -> B (shared)
-                     acc[128, BLOCK_ROWS] += A @ B             (wgmma, float32)
+           per 32-row piece: words[32, 16] -> A[128, 32] (registers)
+                             x rows[BLOCK_ROWS, 32] -> B (shared)   acc[128, BLOCK_ROWS] += A @ B (wgmma)
            -> act[sorted position, cols] = silu(gate) * up, in the activation dtype
     [W2]   program (group, TILES_PER_PROGRAM tiles of 128 output columns): the group's act rows
-           [BLOCK_ROWS, N] copied once to shared memory, then per tile N / 32 steps as W13's
+           [BLOCK_ROWS, N] copied once to shared memory, then per tile N / 32 pieces as W13's
            -> row_out[routed row, cols] in the activation dtype
     then the combine (combine.py), as the other prefill kernels.
 
@@ -27,14 +27,15 @@ one pair subtract of (magic + z) and one pair multiply by the column's scale mak
 kernels round it. Which logical column a row is (``_tile_columns``) is a permutation of the row's
 bits, so the outputs are reordered by reshapes alone.
 
-Gluon only (no interpreter): where it does not run, the plan takes the ``dot`` kernels.
+Gluon on Hopper only (no interpreter): elsewhere ``plan.prefill_config_run`` gives a wgmma config's
+token counts the mma kernels (up to 32-row groups) or the dot kernels (above).
 """
 
 from triton.language import constexpr as _constexpr
 
 from .gluon_helpers import AVAILABLE
 
-STEP_ROWS = 32  # reduction rows per step: one AWQ group of 32 (or a part of a larger one)
+STEP_ROWS = 32  # reduction rows per piece of a step (the layouts below are built for 32: not a knob)
 TILE_COLUMNS = 128  # A rows per program: two m64 blocks
 W2_TILES_PER_PROGRAM = 4  # W2: 128-column tiles per program (the act rows copied once for them)
 
@@ -76,10 +77,16 @@ lop3.b32 $0, x, 0x000F000F, 0x43004300, 0xEA;
 lop3.b32 $1, x4, 0x000F000F, 0x43004300, 0xEA;
 }""")
 
-if AVAILABLE:
+try:  # a Triton whose Gluon lacks this Hopper API keeps the other prefill kernels (plan.wgmma_runs)
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+    HOPPER_AVAILABLE = AVAILABLE
+except ImportError:
+    HOPPER_AVAILABLE = False
+
+if HOPPER_AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
     from .gluon_helpers import async_copy
 
@@ -126,8 +133,9 @@ if AVAILABLE:
     @gluon.jit
     def _dequantize(words, zero_lo, zero_hi, scale_lo, scale_hi, pick, IS_BF16: gl.constexpr,
                     A_LAYOUT: gl.constexpr):
-        """A [128, 32] in ``A_LAYOUT`` from one step's words [32, 16] (``_WORDS2``) and the (word, byte)
-        pairs [1, 16, 4] of the zeros and scales of nibbles 2 b (lo) and 2 b + 1 (hi)."""
+        """A [128, 32] in ``A_LAYOUT`` from one piece's words [32, 16] (``_WORDS2``): per (word, byte b)
+        [1, 16, 4] the (magic + z) pairs of nibbles 2 b (lo) and 2 b + 1 (hi) (``_zero_pairs``), the
+        scales of those two columns, and ``pick``, the PRMT selectors of byte b (``_selectors``)."""
         w3 = gl.broadcast(words[:, :, None], pick)[0]
         asm: gl.constexpr = _BF16_ASM if IS_BF16 else _F16_ASM
         lo, hi = gl.inline_asm_elementwise(
@@ -218,7 +226,8 @@ if AVAILABLE:
         ring_words = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, 32, 16], _RING_WORDS)
         ring_rows = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES * SUB, BLOCK_ROWS, 32], _RING_ROWS)
         for s in gl.static_range(STAGES - 1):
-            _w13_copy_step(s, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok, PACKED, STAGES, SUB)
+            if s < STEPS:  # a K of fewer steps than the ring holds reads nothing past the expert
+                _w13_copy_step(s, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok, PACKED, STAGES, SUB)
             async_copy.commit_group()
 
         pick, zero_pick = _selectors()
