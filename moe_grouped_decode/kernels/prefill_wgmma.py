@@ -102,6 +102,12 @@ if HOPPER_AVAILABLE:
     _RING_ROWS = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
 
     @gluon.jit
+    def _group_of(group_id, group_expert_ptr, group_start_ptr, group_count_ptr):
+        """A sorted group's expert, its first sorted position and its row count (expert_sort.py)."""
+        expert = gl.load(group_expert_ptr + group_id).to(gl.int64)
+        return expert, gl.load(group_start_ptr + group_id), gl.load(group_count_ptr + group_id)
+
+    @gluon.jit
     def _selectors():
         """PRMT selectors: byte b of two words into bytes 0 and 2 ([1, 1, 4] over _WORDS3), and a zero
         word's byte b into bytes 0 and 2 ([1, 4] over _COLS2)."""
@@ -204,9 +210,7 @@ if HOPPER_AVAILABLE:
         tile = pid % TILES
         if group_id >= gl.load(num_groups_ptr):
             return
-        expert = gl.load(group_expert_ptr + group_id).to(gl.int64)
-        start = gl.load(group_start_ptr + group_id)
-        count = gl.load(group_count_ptr + group_id)
+        expert, start, count = _group_of(group_id, group_expert_ptr, group_start_ptr, group_count_ptr)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_ROWS, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -286,9 +290,7 @@ if HOPPER_AVAILABLE:
         first_tile = (pid % PROGRAMS) * TILES_PER_PROGRAM
         if group_id >= gl.load(num_groups_ptr):
             return
-        expert = gl.load(group_expert_ptr + group_id).to(gl.int64)
-        start = gl.load(group_start_ptr + group_id)
-        count = gl.load(group_count_ptr + group_id)
+        expert, start, count = _group_of(group_id, group_expert_ptr, group_start_ptr, group_count_ptr)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_ROWS, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
