@@ -1,5 +1,5 @@
 """The vLLM version shims (compile_plugin/vllm_compat.py), against the installed vLLM and against
-what vLLM 0.26, 0.32 and 0.33 spell, as recorded from their wheels in ``vllm_api_record.json``
+what vLLM 0.26, 0.32, 0.33 and 0.34 spell, as recorded from their wheels in ``vllm_api_record.json``
 (``tests/vllm_api_record.py`` writes it; see there how to add a release)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def fake_function(parameter_names):
 
 
 def test_the_record_covers_the_supported_releases_and_the_installed_one():
-    assert {"0.26.0", "0.32.0", "0.33.0"} <= set(VERSIONS)
+    assert {"0.26.0", "0.32.0", "0.33.0", "0.34.0"} <= set(VERSIONS)
     assert installed_version() in RECORDED
 
 
@@ -147,11 +147,42 @@ def test_expert_parallel_spellings_for_each_release(version):
 def test_unshimmed_spellings_are_the_same_in_every_release():
     """What the plugin calls or overrides without a shim; a new release that changes one fails here."""
     shimmed = {"is_layer_skipped", "op_tags", "fused_moe_factory", "validate_environ"}
+    checked_as_subset = {"create_weights_reads"}  # test_plugin_method_sets_what_create_weights_reads
     first = RECORDED[VERSIONS[0]]
     for version in VERSIONS[1:]:
+        assert RECORDED[version].keys() == first.keys(), version  # every release recorded by the same recorder
         for key, value in RECORDED[version].items():
-            if key not in shimmed:
+            if key not in shimmed | checked_as_subset:
                 assert value == first[key], (version, key)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_plugin_method_sets_what_create_weights_reads(version):
+    """The plugin's method skips AutoAWQMoEMethod.__init__ (it picks a kernel backend, or raises where there is
+    none) and inherits create_weights: it must set every attribute that create_weights reads in each release
+    (0.26-0.33 read ``input_dtype``, 0.34 no longer does)."""
+    from moe_grouped_decode.compile_plugin.moe_method import AwqMoeGroupedDecodeMethod
+
+    method = AwqMoeGroupedDecodeMethod(types.SimpleNamespace(), types.SimpleNamespace(), None, None)
+    assert [name for name in RECORDED[version]["create_weights_reads"] if not hasattr(method, name)] == []
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_plugin_signatures_match_each_release(version):
+    """Where the plugin mirrors or overrides a vLLM signature, it matches every release's."""
+    from moe_grouped_decode.compile_plugin import moe_method, passes
+
+    entry = RECORDED[version]
+    # one implementation serves both replacement ops, declared with vLLM's op schemas
+    grouped = list(inspect.signature(passes._forward_grouped).parameters)
+    assert entry["moe_forward"] == entry["moe_forward_shared"] == grouped
+    assert entry["runner_functions"] == list(vllm_api_record.RUNNER_FUNCTIONS)
+    method = moe_method.AwqMoeGroupedDecodeMethod
+    assert entry["method_apply"] == list(inspect.signature(method.apply).parameters)
+    for name, parameters in entry["method_overrides"].items():
+        assert parameters == list(inspect.signature(getattr(method, name)).parameters), name
+    assert entry["routed_experts_attrs"] == list(vllm_api_record.ROUTED_EXPERTS_ATTRS)
+    assert entry["compile_pass"]["pass_key"] == [passes.PASS_KEY]
 
 
 # --------------------------------------------------------------------------- no vLLM warning from the switches

@@ -9,6 +9,8 @@ can be recorded without installing it::
 
 ``tests/test_vllm_compat.py`` checks the plugin's shims against every recorded
 release and checks that recording the installed vLLM gives its stored entry.
+When the recorder gains a key, re-record every release in the file (the test
+wants the same keys in each entry).
 """
 
 from __future__ import annotations
@@ -34,13 +36,25 @@ MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "experts_per_token", "h
                      "rocm_aiter_fmoe_enabled", "max_num_tokens")
 PLATFORM = "vllm/platforms/interface.py"
 ENVS = "vllm/envs.py"
+INDUCTOR_PASS = "vllm/compilation/passes/inductor_pass.py"
+CONFIG_UTILS = "vllm/config/utils.py"
+COMPILATION_CONFIG = "vllm/config/compilation.py"
+SCHEDULER_CONFIG = "vllm/config/scheduler.py"
+# the module-level functions of the MoE runner the plugin imports (passes.py)
+RUNNER_FUNCTIONS = ("_moe_forward", "_moe_forward_fake", "_moe_forward_shared", "_moe_forward_shared_fake",
+                    "_resolve_layer_name", "get_layer_from_name")
+# what the plugin reads of vLLM's MoE layer (moe_method.py: unservable_reason, apply, process_weights_after_loading)
+ROUTED_EXPERTS_ATTRS = ("apply_router_weight_on_input", "swiglu_limit", "swiglu_alpha", "layer_name", "moe_config",
+                        "quant_method", "expert_map")
 
 
 def _parse(root: Path, relative: str) -> ast.Module:
     return ast.parse((root / relative).read_text())
 
 
-def _params(function: ast.FunctionDef) -> List[str]:
+def _params(function: Optional[ast.FunctionDef]) -> Optional[List[str]]:
+    if function is None:
+        return None  # recorded as null: the release has no such function
     a = function.args
     return [arg.arg for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
 
@@ -83,11 +97,67 @@ def _returned_self_attributes(function: Optional[ast.FunctionDef]) -> List[str]:
     return sorted(names)
 
 
+def _class(tree: ast.Module, name: str) -> Optional[ast.ClassDef]:
+    return next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+
+
 def _class_fields(tree: ast.Module, cls: str, wanted) -> List[str]:
     """Which of ``wanted`` the (data)class ``cls`` declares as annotated fields."""
-    scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    scope = _class(tree, cls)
+    if scope is None:
+        return []
     declared = {n.target.id for n in scope.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
     return [name for name in wanted if name in declared]
+
+
+def _self_attributes(node: Optional[ast.AST], ctx) -> List[str]:
+    """The ``self.<name>`` attributes ``node`` reads (``ast.Load``) or assigns (``ast.Store``)."""
+    if node is None:
+        return []
+    return sorted({
+        n.attr for n in ast.walk(node)
+        if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "self" and isinstance(n.ctx, ctx)
+    })
+
+
+def _class_attributes(tree: ast.Module, cls: str, wanted) -> List[str]:
+    """Which of ``wanted`` the class ``cls`` has: a method or property, a class-level field, a ``self.`` assignment."""
+    scope = _class(tree, cls)
+    if scope is None:
+        return []
+    names = set(_self_attributes(scope, ast.Store))
+    for node in scope.body:
+        if isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return [name for name in wanted if name in names]
+
+
+def _returned_literals(function: Optional[ast.FunctionDef]) -> List:
+    if function is None:
+        return []
+    values = []
+    for node in ast.walk(function):
+        if isinstance(node, ast.Return) and node.value is not None:
+            try:
+                values.append(ast.literal_eval(node.value))
+            except ValueError:
+                values.append(ast.unparse(node.value))  # not a literal: its source, so a change still shows
+    return values
+
+
+def _module_variables(tree: ast.Module, wanted) -> List[str]:
+    """Which of ``wanted`` the module assigns at its top level."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return [name for name in wanted if name in names]
 
 
 def _startswith_prefix(function: ast.FunctionDef) -> Optional[str]:
@@ -109,6 +179,10 @@ def record(root) -> dict:
     validator_owner = "Platform" if validator is not None else "vllm.envs"
     if validator is None:
         validator = _function(envs, "validate_environ")
+    auto_awq = _parse(root, AUTO_AWQ)
+    method_base = _parse(root, METHOD_BASE)
+    inductor_pass = _parse(root, INDUCTOR_PASS)
+    compilation = _parse(root, COMPILATION_CONFIG)
     factories = [
         n.name for n in layer.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in ("FusedMoE", "FusedMoEFactory")
     ]
@@ -121,12 +195,40 @@ def record(root) -> dict:
         "unknown_env_prefix": _startswith_prefix(validator),
         # spellings the plugin uses unshimmed: the same in every supported release
         "moe_forward": _params(_function(runner, "_moe_forward")),
+        # one implementation (passes._forward_grouped) serves both replacement ops
+        "moe_forward_shared": _params(_function(runner, "_moe_forward_shared")),
+        "runner_functions": [name for name in RUNNER_FUNCTIONS if _function(runner, name) is not None],
         "forward_impl": _params(_function(runner, "_forward_impl", cls="MoERunner")),
-        "method_apply": _params(_function(_parse(root, METHOD_BASE), "apply", cls="FusedMoEMethodBase")),
+        "method_apply": _params(_function(method_base, "apply", cls="FusedMoEMethodBase")),
+        # the plugin's method calls FusedMoEMethodBase.__init__ and overrides these of AutoAWQMoEMethod
+        "method_base_init": _params(_function(method_base, "__init__", cls="FusedMoEMethodBase")),
+        "method_overrides": {
+            name: _params(_function(auto_awq, name, cls="AutoAWQMoEMethod"))
+            for name in ("process_weights_after_loading", "get_fused_moe_quant_config")
+        },
         "override_quantization_method": _params(
-            _function(_parse(root, AUTO_AWQ), "override_quantization_method", cls="AutoAWQConfig")
+            _function(auto_awq, "override_quantization_method", cls="AutoAWQConfig")
         ),
-        "create_weights": _params(_function(_parse(root, AUTO_AWQ), "create_weights", cls="AutoAWQMoEMethod")),
+        "create_weights": _params(_function(auto_awq, "create_weights", cls="AutoAWQMoEMethod")),
+        # the plugin's method skips AutoAWQMoEMethod.__init__ and sets what create_weights reads itself;
+        # a release may read fewer (the test checks the plugin sets every one, not equality)
+        "create_weights_reads": _self_attributes(
+            _function(auto_awq, "create_weights", cls="AutoAWQMoEMethod"), ast.Load
+        ),
+        "routed_experts_attrs": _class_attributes(_parse(root, ROUTED_EXPERTS), "RoutedExperts", ROUTED_EXPERTS_ATTRS),
+        # passes.py: the post-grad hook, the compile range of the graph being compiled, the compile-range split
+        "compile_pass": {
+            "pass_key": _returned_literals(_function(platform, "pass_key", cls="Platform")),
+            "pass_context": _module_variables(inductor_pass, ("_pass_context",))
+            + _class_attributes(inductor_pass, "PassContext", ("compile_range",)),
+            "range": _class_fields(_parse(root, CONFIG_UTILS), "Range", ("start", "end")),
+            "inductor_pass": _class_attributes(inductor_pass, "InductorPass", ("uuid", "hash_source", "hash_dict")),
+            "compilation_config": _class_fields(compilation, "CompilationConfig",
+                                                ("mode", "inductor_compile_config", "compile_ranges_endpoints")),
+            "compilation_mode": _class_attributes(compilation, "CompilationMode", ("VLLM_COMPILE",)),
+            "scheduler_config": _class_fields(_parse(root, SCHEDULER_CONFIG), "SchedulerConfig",
+                                              ("max_num_batched_tokens",)),
+        },
         # expert parallelism: apply maps the router's global ids through layer.expert_map, which is
         # the -1/local map except under ROCm AITER (a 0/1 mask: unservable_reason refuses that)
         "expert_map": _returned_self_attributes(_function(_parse(root, ROUTED_EXPERTS), "expert_map", cls="RoutedExperts")),

