@@ -463,7 +463,7 @@ def test_prefill_warmup_counts_compile_every_binary_a_count_launches():
 
     N = 3000
     warmed = set().union(*(binaries(M) for M in prefill_warmup_counts(N)))
-    for M in list(range(1, N + 1, 37)) + [2, 511, 512, 513, 1025, N - 1, N]:
+    for M in list(range(1, N + 1, 37)) + [2, 129, 191, 192, 193, 511, 512, 513, 1025, N - 1, N]:
         assert binaries(M) <= warmed, M
 
 

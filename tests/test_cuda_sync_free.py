@@ -37,7 +37,7 @@ E, TOP_K, K, N, G = (QWEN38_TP4.num_experts, QWEN38_TP4.top_k, QWEN38_TP4.hidden
 GROUPED_TOKENS = sorted({1, 2, 3, 4, 8, 9, 16, 33, OVER_GROUPS_FROM_TOKENS - 1, OVER_GROUPS_FROM_TOKENS, 64,
                          QWEN38_TP4.max_tokens})
 # the prefill route, inside and past the grouped window (it serves any M)
-DENSE_TOKENS = [1, 2, 8, 9, 16, 64, 65, 256, 2048]
+DENSE_TOKENS = [1, 2, 8, 9, 16, 64, 65, 256, 1024, 2048]
 
 grouped_op = torch.ops.moe_grouped_decode.awq_moe_grouped_decode
 dense_op = torch.ops.moe_grouped_decode.awq_moe_dense

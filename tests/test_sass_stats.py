@@ -257,9 +257,9 @@ sys.path.insert(0, BENCHMARKS)
 import sass_stats
 from moe_grouped_decode.kernels.config import PrefillConfig
 for dtype in ("fp16", "bf16"):
-    for rows in (16, 64):  # the table's configs: 64-row W13 steps (two pieces of 32)
-        cfg = PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3 if rows == 16 else 4,
-                            w2_stages=4)
+    for rows in (8, 16, 64):  # the table's configs: 64-row W13 steps (two pieces of 32)
+        cfg = PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3 if rows < 64 else 4,
+                            w2_stages=4, w13_scales_ahead=rows < 64)
         for name, kernel, _, _ in sass_stats.prefill_kernels(dtype, 2048, cfg):
             launch = name.split()[2]
             if "wgmma" not in launch:
@@ -281,11 +281,11 @@ for dtype in ("fp16", "bf16"):
     stdout = _python_stdout("-c", code)
     kernels = [line.split() for line in stdout.splitlines() if line.startswith("kernel ")]
     assert {(row[1], row[2], row[3]) for row in kernels} == {
-        (dtype, rows, name) for dtype in ("fp16", "bf16") for rows in ("16", "64")
+        (dtype, rows, name) for dtype in ("fp16", "bf16") for rows in ("8", "16", "64")
         for name in ("w13_prefill_wgmma", "w2_prefill_wgmma")}, stdout
     for row in kernels:
         assert 0 < int(row[4]) <= 255 and int(row[5]) == 0 and int(row[6]) > 0 and row[7] == "True", row
     loops = [line.split() for line in stdout.splitlines() if line.startswith("loop ")]
-    assert len(loops) == 4, stdout
+    assert len(loops) == 6, stdout
     for row in loops:
         assert row[3] == "0" and row[4] == "8", row  # no shared store; two m64 blocks x four k16 per step

@@ -144,12 +144,16 @@ class PrefillConfig:
     w13_warps: int = 4  # mma: warps over K (chunks unrolled); dot: num_warps
     w2_warps: int = 4  # mma: warps of 64 output columns each; dot: num_warps
     kernel: str = "mma"  # "mma", "dot" or "wgmma"
-    block_rows: int = 16  # dot, wgmma: rows per group (the tl.dot M; wgmma's N, at most 128), a power of two >= 16
+    block_rows: int = 16  # dot, wgmma: rows per group (the tl.dot M, a power of two >= 16; wgmma's N, 8 to 128)
     w13_block_n: int = 32  # dot: gate columns per W13 program (and as many up columns)
     w13_block_k: int = 32  # dot: W13's reduction rows per step (a divisor or a multiple of G); wgmma: 32 or 64
     w2_block_n: int = 128  # dot: output columns per W2 program
     w13_stages: int = 3  # dot: software-pipeline depth of W13's steps (w13_block_k rows each); wgmma: ring depth
     w2_stages: int = 3  # dot, wgmma: the same for W2
+    # wgmma: W13's scales and zero words requested a step ahead, so their global-load latency
+    # overlaps the previous step (as W2 always does); 12 more registers, which at 32- and 64-row
+    # groups cost W13 programs per SM
+    w13_scales_ahead: bool = False
 
     def __post_init__(self) -> None:
         for field in ("w13_warps", "w2_warps", "w13_stages", "w2_stages"):
@@ -163,7 +167,8 @@ class PrefillConfig:
                              "w13_block_k 32 or 64")
         if self.token_blocks not in (1, 2, 4):
             raise ValueError(f"PrefillConfig.token_blocks must be 1, 2 or 4, got {self.token_blocks}")
-        for field, least in (("block_rows", 16), ("w13_block_n", 16), ("w13_block_k", 32), ("w2_block_n", 16)):
+        for field, least in (("block_rows", 8 if self.kernel == "wgmma" else 16), ("w13_block_n", 16),
+                             ("w13_block_k", 32), ("w2_block_n", 16)):
             value = getattr(self, field)
             if value < least or value & (value - 1):
                 raise ValueError(f"PrefillConfig.{field} must be a power of two >= {least}, got {value}")
@@ -184,19 +189,20 @@ def prefill_candidates() -> Tuple[PrefillConfig, ...]:
     prefill tables): the mma kernels over 8- and 16-row groups; the dot kernels over 32-, 64- and
     128-row groups, each with six W13 variants (gate columns, reduction rows per step, warps,
     pipeline depth) paired with six W2 variants (columns, warps, depth), and two over 256-row
-    groups; the wgmma kernels over 16- to 128-row groups. W13 and W2 are timed apart (sort + W13,
-    then the rest), so the pairing costs no coverage."""
+    groups; the wgmma kernels over 8- to 128-row groups, W13's scales a step ahead or not. W13 and
+    W2 are timed apart (sort + W13, then the rest), so the pairing costs no coverage."""
     w13 = ((32, 32, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (32, 128, 4, 3))
     w2 = ((128, 8, 3), (256, 8, 3), (64, 4, 3), (128, 4, 3), (256, 4, 3), (64, 8, 2))
     dot = [(rows, a, b) for rows in (32, 64, 128) for a, b in zip(w13, w2)]
     dot += [(256, (64, 32, 8, 3), (128, 8, 3)), (256, (32, 64, 8, 3), (256, 8, 2))]
-    wgmma = [(16, 32, 4, 4), (16, 64, 3, 4), (32, 32, 4, 4), (32, 64, 3, 4), (64, 32, 4, 4), (64, 64, 3, 4),
-             (128, 32, 3, 3)]
+    wgmma = [(8, 64, 3, 4, True), (16, 32, 4, 4, False), (16, 64, 3, 4, False), (16, 64, 3, 4, True),
+             (32, 32, 4, 4, False), (32, 64, 3, 4, False), (32, 64, 3, 4, True), (64, 32, 4, 4, False),
+             (64, 64, 3, 4, False), (64, 64, 4, 4, False), (128, 32, 3, 3, False)]
     return (PrefillConfig(token_blocks=1), PrefillConfig(token_blocks=2)) + tuple(
         PrefillConfig(kernel="dot", block_rows=rows, w13_block_n=a[0], w13_block_k=a[1], w13_warps=a[2],
                       w13_stages=a[3], w2_block_n=b[0], w2_warps=b[1], w2_stages=b[2]) for rows, a, b in dot) + tuple(
-        PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=k, w13_stages=a, w2_stages=b)
-        for rows, k, a, b in wgmma)
+        PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=k, w13_stages=a, w2_stages=b, w13_scales_ahead=ahead)
+        for rows, k, a, b, ahead in wgmma)
 
 
 # --------------------------------------------------------------------------- entries (tables and cache)
@@ -356,15 +362,24 @@ def grouped_config(shape: Shape, gpu_name: str, kernels: str, dtype_name: str, n
 _prefill_tables: Optional[List[dict]] = None
 
 
+def _prefill_table_files() -> List[dict]:
+    global _prefill_tables
+    if _prefill_tables is None:
+        _prefill_tables = [json.loads(path.read_text()) for path in sorted(TABLE_DIR.glob("prefill_*.json"))]
+    return _prefill_tables
+
+
+def prefill_table_token_counts() -> Tuple[int, ...]:
+    """Every token count at which some prefill table's config changes (its entries' M)."""
+    return tuple(sorted({int(e["M"]) for table in _prefill_table_files() for e in table["entries"]}))
+
+
 @functools.lru_cache(maxsize=4096)
 def prefill_config(shape: Shape, gpu_name: str, dtype_name: str, num_tokens: int) -> PrefillConfig:
     """The prefill route's config for one shape and token count: the table entry of the smallest
     M at or above ``num_tokens`` (the largest entry above them all) for the GPU, else for the
     table's default GPU; the default elsewhere."""
-    global _prefill_tables
-    if _prefill_tables is None:
-        _prefill_tables = [json.loads(path.read_text()) for path in sorted(TABLE_DIR.glob("prefill_*.json"))]
-    for table in _prefill_tables:
+    for table in _prefill_table_files():
         for gpu in (gpu_name, table["default_gpu"]):
             entries = sorted((e for e in table["entries"]
                               if tuple(e["shape"]) == tuple(shape) and e["gpu"] == gpu and e["dtype"] == dtype_name),

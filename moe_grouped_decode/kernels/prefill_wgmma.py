@@ -6,7 +6,9 @@ of SUB pieces of 32 rows (each inside one AWQ group, whose scales and zeros it t
 ``cp.async`` and from there to registers, where PTX turns them into the A operand in the layout
 wgmma reads from registers: no dequantized tile is ever stored to shared memory (the ``tl.dot``
 kernels of ``prefill_dot.py`` store one per step, and wait on a barrier for it). The tokens' rows
-(the B operand, K-major) go to a second ring by ``cp.async``::
+(the B operand, K-major) go to a second ring by ``cp.async``. The scales and zero words, plain
+loads, are requested a piece (W2) or a step (W13, ``SCALES_AHEAD``) before the piece that uses
+them, so their latency overlaps work::
 
     [W13]  program (group, tile): the tile's 64 gate and the same 64 up columns (rows r = 0, 1 of A)
            per 32-row piece: words[32, 16] -> A[128, 32] (registers)
@@ -173,14 +175,13 @@ if HOPPER_AVAILABLE:
         gl.thread_barrier()
 
     @gluon.jit
-    def _step_scales(k0, expert_scales, expert_zeros, col_lo, col_hi, ok, zero_pick, COLS: gl.constexpr,
-                     G: gl.constexpr, PACKED: gl.constexpr, IS_BF16: gl.constexpr):
-        """The scales and zero pairs of reduction rows k0 .. k0 + 31 (one AWQ group's) for _dequantize."""
+    def _piece_scales(k0, expert_scales, expert_zeros, col_lo, col_hi, ok, COLS: gl.constexpr, G: gl.constexpr,
+                      PACKED: gl.constexpr):
+        """The scales of reduction rows k0 .. k0 + 31 (one AWQ group's) and their packed zero words."""
         group = k0 // G
         s_lo = gl.load(expert_scales + group * COLS + col_lo, mask=ok, other=0.0)[None, :, :]
         s_hi = gl.load(expert_scales + group * COLS + col_hi, mask=ok, other=0.0)[None, :, :]
-        z_lo, z_hi = _zero_pairs(gl.load(expert_zeros + group * PACKED, mask=ok, other=0), zero_pick, IS_BF16)
-        return s_lo, s_hi, z_lo, z_hi
+        return s_lo, s_hi, gl.load(expert_zeros + group * PACKED, mask=ok, other=0)
 
     @gluon.jit
     def _w13_copy_step(step, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok, PACKED: gl.constexpr,
@@ -198,7 +199,7 @@ if HOPPER_AVAILABLE:
         x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, num_groups_ptr,
         qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
         TOP_K: gl.constexpr, K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, BLOCK_ROWS: gl.constexpr,
-        STAGES: gl.constexpr, IS_BF16: gl.constexpr, SUB: gl.constexpr = 1,
+        STAGES: gl.constexpr, IS_BF16: gl.constexpr, SUB: gl.constexpr = 1, SCALES_AHEAD: gl.constexpr = False,
     ):
         """act[position, cols] = silu(x W13_gate) * (x W13_up) for the group's rows, 64 columns per program;
         a step is SUB pieces of 32 reduction rows (one wait and one barrier for all of them)."""
@@ -240,23 +241,41 @@ if HOPPER_AVAILABLE:
         expert_scales = scales_ptr + expert * (K // G * 2 * N)
         expert_zeros = qzeros_ptr + expert * (K // G * PACKED) + word
         acc = gl.zeros([128, BLOCK_ROWS], gl.float32, layout=mma)
-        for i in range(STEPS):
-            # the step's scales and zeros requested before the wait, A made from each piece once it landed
-            s_lo, s_hi, z_lo, z_hi = _step_scales(i * SUB * 32, expert_scales, expert_zeros, col_lo, col_hi, ok,
-                                                  zero_pick, 2 * N, G, PACKED, IS_BF16)
+        # the step's scales and zero words: requested a step ahead (SCALES_AHEAD: their latency then
+        # overlaps a whole step, for 12 more registers) or at the step's start, before its wait
+        if SCALES_AHEAD:
+            s_lo, s_hi, zw = _piece_scales(0, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N, G, PACKED)
             if SUB == 2:
-                s_lo1, s_hi1, z_lo1, z_hi1 = _step_scales(i * SUB * 32 + 32, expert_scales, expert_zeros, col_lo,
-                                                          col_hi, ok, zero_pick, 2 * N, G, PACKED, IS_BF16)
+                s_lo1, s_hi1, zw1 = _piece_scales(32, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N, G, PACKED)
+        for i in range(STEPS):
+            if SCALES_AHEAD:
+                a_lo, a_hi, a_zw = s_lo, s_hi, zw
+                k_next = gl.minimum(i + 1, STEPS - 1) * SUB * 32  # the last step requests its own again
+                s_lo, s_hi, zw = _piece_scales(k_next, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N, G,
+                                               PACKED)
+                if SUB == 2:
+                    a_lo1, a_hi1, a_zw1 = s_lo1, s_hi1, zw1
+                    s_lo1, s_hi1, zw1 = _piece_scales(k_next + 32, expert_scales, expert_zeros, col_lo, col_hi, ok,
+                                                      2 * N, G, PACKED)
+            else:
+                a_lo, a_hi, a_zw = _piece_scales(i * SUB * 32, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N,
+                                                 G, PACKED)
+                if SUB == 2:
+                    a_lo1, a_hi1, a_zw1 = _piece_scales(i * SUB * 32 + 32, expert_scales, expert_zeros, col_lo, col_hi,
+                                                        ok, 2 * N, G, PACKED)
+            z_lo, z_hi = _zero_pairs(a_zw, zero_pick, IS_BF16)
+            if SUB == 2:
+                z_lo1, z_hi1 = _zero_pairs(a_zw1, zero_pick, IS_BF16)
             _wait_for_step(STAGES)
             if i + STAGES - 1 < STEPS:  # into the stage of step i - 1, whose wgmma every thread waited for
                 _w13_copy_step(i + STAGES - 1, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok, PACKED,
                                STAGES, SUB)
             async_copy.commit_group()
             stage = (i % STAGES) * SUB
-            a = _dequantize(ring_words.index(stage).load(_WORDS2), z_lo, z_hi, s_lo, s_hi, pick, IS_BF16, a_layout)
+            a = _dequantize(ring_words.index(stage).load(_WORDS2), z_lo, z_hi, a_lo, a_hi, pick, IS_BF16, a_layout)
             acc = warpgroup_mma(a, ring_rows.index(stage).permute((1, 0)), acc, is_async=True)
             if SUB == 2:
-                a1 = _dequantize(ring_words.index(stage + 1).load(_WORDS2), z_lo1, z_hi1, s_lo1, s_hi1, pick,
+                a1 = _dequantize(ring_words.index(stage + 1).load(_WORDS2), z_lo1, z_hi1, a_lo1, a_hi1, pick,
                                  IS_BF16, a_layout)
                 acc = warpgroup_mma(a1, ring_rows.index(stage + 1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
@@ -326,18 +345,22 @@ if HOPPER_AVAILABLE:
         c = gl.arange(0, 128, layout=gl.SliceLayout(1, store))[:, None]
         n = gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(0, store))[None, :]
         out_row = gl.load(sorted_rows_ptr + start + n, mask=n < count, other=0).to(gl.int64)
+        # a piece's scales and zero words, requested a piece ahead: their global-load latency overlaps
+        # the previous piece's work (at no cost in programs per SM here)
+        s_lo, s_hi, zw = _piece_scales(0, expert_scales + first_tile * 128, expert_zeros + first_tile * 16 + word,
+                                       col_lo, col_hi, (first_tile < TILES) & (local >= 0), K, G, PACKED)
         for tt in range(TILES_PER_PROGRAM):
             tile = first_tile + tt
             tile_ok = tile < TILES
             acc = gl.zeros([128, BLOCK_ROWS], gl.float32, layout=mma)
             for s in gl.static_range(SUB):
                 j = tt * SUB + s
-                group = (s * 32) // G
-                ok = tile_ok & (local >= 0)
-                s_lo = gl.load(expert_scales + group * K + tile * 128 + col_lo, mask=ok, other=0.0)[None, :, :]
-                s_hi = gl.load(expert_scales + group * K + tile * 128 + col_hi, mask=ok, other=0.0)[None, :, :]
-                z_lo, z_hi = _zero_pairs(gl.load(expert_zeros + group * PACKED + tile * 16 + word, mask=ok, other=0),
-                                         zero_pick, IS_BF16)
+                a_lo, a_hi, a_zw = s_lo, s_hi, zw
+                next_tile = tile + (s + 1) // SUB  # the next piece: this tile's next 32 rows, or the next tile's first
+                s_lo, s_hi, zw = _piece_scales(((s + 1) % SUB) * 32, expert_scales + next_tile * 128,
+                                               expert_zeros + next_tile * 16 + word, col_lo, col_hi,
+                                               (next_tile < TILES) & (j + 1 < STEPS) & (local >= 0), K, G, PACKED)
+                z_lo, z_hi = _zero_pairs(a_zw, zero_pick, IS_BF16)
                 _wait_for_step(STAGES)
                 nxt = j + STAGES - 1
                 if nxt < STEPS:
@@ -346,7 +369,7 @@ if HOPPER_AVAILABLE:
                         mask=(first_tile + nxt // SUB < TILES) & (cw >= 0) & (ck >= 0))
                 async_copy.commit_group()
                 words = ring_words.index(j % STAGES).load(_WORDS2)
-                a = _dequantize(words, z_lo, z_hi, s_lo, s_hi, pick, IS_BF16, a_layout)
+                a = _dequantize(words, z_lo, z_hi, a_lo, a_hi, pick, IS_BF16, a_layout)
                 acc = warpgroup_mma(a, act_smem.index(s).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
             out = gl.convert_layout(_in_column_order(acc, BLOCK_ROWS).to(row_out_ptr.dtype.element_ty), store)

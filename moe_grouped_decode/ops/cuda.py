@@ -179,13 +179,15 @@ def random_routing(num_tokens: int, top_k: int, num_experts: int, device, genera
 
 def prefill_warmup_counts(max_tokens: int) -> list:
     """Token counts whose prefill-route calls compile every binary that any M up to
-    ``max_tokens`` launches: the powers of two below it and itself (the plan's buckets are
-    the powers of two, and so are its launch table's entries)."""
+    ``max_tokens`` launches: what a call compiles changes only past a power of two (the plan's
+    buckets) or past a launch table's entry (its config), so the powers of two below it, the
+    tables' entries below it and itself (each the top of a stretch of equal binaries)."""
     counts, m = [], 1
     while m < max_tokens:
         counts.append(m)
         m *= 2
-    return counts + [max_tokens]
+    bounds = [m for m in kernel_config.prefill_table_token_counts() if m < max_tokens]
+    return sorted(set(counts + bounds)) + [max_tokens]
 
 
 # --------------------------------------------------------------------------- compiles after warmup
