@@ -299,7 +299,8 @@ def parse_prefill_configs(text: str):
         if "=" not in item:
             return PrefillConfig(*(int(v) for v in item.split(",")))
         fields = dict(pair.split("=", 1) for pair in item.split(","))
-        return PrefillConfig(**{k: (v if k == "kernel" else int(v)) for k, v in fields.items()})
+        return PrefillConfig(**{k: v if k == "kernel" else bool(int(v)) if isinstance(getattr(PrefillConfig(), k), bool)
+                                else int(v) for k, v in fields.items()})
 
     return [parse(item) for item in text.split(";") if item]
 
@@ -452,7 +453,7 @@ def plot(result: Dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, ratio) = plt.subplots(2, 1, figsize=(8, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     styles = {"plugin": dict(lw=3, color="black"), "humming": dict(color="tab:red"), "marlin": dict(color="tab:orange"),
               "grouped": dict(ls="--", color="tab:blue"), "prefill": dict(ls="--", color="tab:green"),
               "floor1": dict(ls=":", color="gray"), "compute": dict(ls="-.", color="gray")}
@@ -464,11 +465,22 @@ def plot(result: Dict, path: Path) -> None:
             ax.plot(*zip(*pts), marker="o", ms=3, label=labels.get(name, name), **style)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("tokens M")
     ax.set_ylabel("us per MoE layer (CUDA-graph replay, L2 cold)")
     ax.set_title(f"{result['contract']} {result['dtype']} on {result['gpu']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    # the promise, where a log scale hides it: faster than vLLM's faster backend above the line
+    pts = [(r["M"], r["speedup"]) for r in result["rows"] if r.get("speedup")]
+    if pts:
+        ratio.plot(*zip(*pts), marker="o", ms=4, lw=2, color="black", label="plugin's speedup over vLLM's faster")
+        for m, value in pts:
+            if value < 1.0:
+                ratio.plot([m], [value], marker="o", ms=7, color="tab:red")
+    ratio.axhline(1.0, color="tab:red", lw=1, ls="--")
+    ratio.set_ylabel("vLLM's faster / plugin")
+    ratio.set_xlabel("tokens M")
+    ratio.grid(True, which="both", alpha=0.3)
+    ratio.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -476,8 +488,9 @@ def plot(result: Dict, path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_grouped_decode bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,192,256,512,1024,2048,4096,8192",
-                        help="token counts (every column at each; 192 sits between the H200 window's top, 128, and 256)")
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,160,192,224,256,320,384,512,1024,2048,4096,8192",
+                        help="token counts (every column at each; 128..384 finely, where the routes and vLLM's "
+                        "backends cross)")
     parser.add_argument("--grouped-max", type=int, default=1024,
                         help="the grouped op and floor2 up to this M (past the grouped window's top, 512 on the "
                              "H200, so --write-routes sees both sides of it)")
