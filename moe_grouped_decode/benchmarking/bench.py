@@ -295,12 +295,17 @@ def parse_prefill_configs(text: str):
     ``field=value,...`` (any fields, e.g. ``kernel=dot,block_rows=64,w13_warps=4``)."""
     from ..kernels.config import PrefillConfig
 
+    defaults = PrefillConfig()
+
+    def value(field: str, text: str):
+        default = getattr(defaults, field)
+        return text if isinstance(default, str) else bool(int(text)) if isinstance(default, bool) else int(text)
+
     def parse(item: str):
         if "=" not in item:
             return PrefillConfig(*(int(v) for v in item.split(",")))
         fields = dict(pair.split("=", 1) for pair in item.split(","))
-        return PrefillConfig(**{k: v if k == "kernel" else bool(int(v)) if isinstance(getattr(PrefillConfig(), k), bool)
-                                else int(v) for k, v in fields.items()})
+        return PrefillConfig(**{k: value(k, v) for k, v in fields.items()})
 
     return [parse(item) for item in text.split(";") if item]
 

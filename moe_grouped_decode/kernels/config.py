@@ -151,7 +151,7 @@ class PrefillConfig:
     w13_stages: int = 3  # dot: software-pipeline depth of W13's steps (w13_block_k rows each); wgmma: ring depth
     w2_stages: int = 3  # dot, wgmma: the same for W2
     # wgmma: W13's scales and zero words requested a step ahead, so their global-load latency
-    # overlaps the previous step (as W2 always does); 12 more registers, which at 32- and 64-row
+    # overlaps the previous step (as W2 always does); 11-15 more registers, which at 32- and 64-row
     # groups cost W13 programs per SM
     w13_scales_ahead: bool = False
 

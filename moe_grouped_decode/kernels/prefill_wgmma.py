@@ -242,7 +242,7 @@ if HOPPER_AVAILABLE:
         expert_zeros = qzeros_ptr + expert * (K // G * PACKED) + word
         acc = gl.zeros([128, BLOCK_ROWS], gl.float32, layout=mma)
         # the step's scales and zero words: requested a step ahead (SCALES_AHEAD: their latency then
-        # overlaps a whole step, for 12 more registers) or at the step's start, before its wait
+        # overlaps a whole step, for 11-15 more registers) or at the step's start, before its wait
         if SCALES_AHEAD:
             s_lo, s_hi, zw = _piece_scales(0, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N, G, PACKED)
             if SUB == 2:
