@@ -87,8 +87,13 @@ def test_prefill_matches_reference(layer, M, pattern):
     PrefillConfig(kernel="wgmma", block_rows=8, w13_block_k=64, w13_stages=3, w2_stages=4, w13_scales_ahead=True),
     PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=64, w13_stages=3, w2_stages=4, w13_scales_ahead=True),
     PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=32, w13_stages=2, w2_stages=2, w13_scales_ahead=True),
+    PrefillConfig(kernel="wgmma", block_rows=8, w13_block_k=64, w13_stages=3, w2_stages=4, w13_scales_ahead=True,
+                  w13_tiles="narrow"),
+    PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=32, w13_stages=2, w2_stages=2, w13_tiles="tail"),
+    PrefillConfig(kernel="wgmma", block_rows=32, w13_block_k=64, w13_stages=3, w2_stages=4, w13_tiles="narrow"),
 ], ids=["tb2", "tb4-8warps", "1warp", "dot16", "dot32-n64", "dot64-8warps", "dot128", "wgmma64", "wgmma128",
-        "wgmma16", "wgmma32-k64", "wgmma8-ahead", "wgmma16-k64-ahead", "wgmma16-k32-ahead"])
+        "wgmma16", "wgmma32-k64", "wgmma8-ahead", "wgmma16-k64-ahead", "wgmma16-k32-ahead", "wgmma8-narrow",
+        "wgmma16-k32-tail", "wgmma32-narrow"])
 def test_prefill_configs_match_reference(layer, config):
     """Every launch shape the route table may pick, on routing with multi-group experts."""
     weights, cpu_weights = layer
@@ -103,22 +108,25 @@ def test_prefill_configs_match_reference(layer, config):
 
 def test_wgmma_group_rows_and_scales_ahead_keep_the_bits(layer):
     """A row's output from the wgmma kernels does not depend on how many rows share its group (8,
-    16 or 32: each is its own column of wgmma's N, reduced in the same order) nor on when W13's
-    scales are requested: bit-identical outputs, on routing whose experts span several groups."""
+    16 or 32: each is its own column of wgmma's N, reduced in the same order), on when W13's
+    scales are requested, nor on how W13's programs split a group's columns (each column's sum is
+    the same wgmma chain): bit-identical outputs, on routing whose experts span several groups."""
     weights, _ = layer
     gen = torch.Generator().manual_seed(11)
     M = 300
     x = torch.randn(M, K, generator=gen).to(weights.dtype).cuda()
     ids, tw = routing("skewed", M, gen)
     outs = []
-    for rows, ahead in ((16, False), (16, True), (8, True), (8, False), (32, False)):
+    for rows, ahead, tiles in ((16, False, "wide"), (16, True, "wide"), (8, True, "wide"), (8, False, "wide"),
+                               (32, False, "wide"), (16, True, "narrow"), (8, True, "tail"), (32, False, "narrow")):
         config = PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3, w2_stages=4,
-                               w13_scales_ahead=ahead)
+                               w13_scales_ahead=ahead, w13_tiles=tiles)
         out = torch.full_like(x, float("nan"))
         launch_prefill(x, tw, ids, weights, out, config)
-        outs.append((rows, ahead, out))
-    for rows, ahead, out in outs[1:]:
-        assert torch.equal(out, outs[0][2]), f"{rows}-row groups, scales ahead {ahead}: bits differ from 16-row"
+        outs.append((rows, ahead, tiles, out))
+    for rows, ahead, tiles, out in outs[1:]:
+        assert torch.equal(out, outs[0][3]), (f"{rows}-row groups, scales ahead {ahead}, {tiles} W13 programs: "
+                                              "bits differ from 16-row wide")
 
 
 def test_prefill_sort_groups_every_row_once(layer):

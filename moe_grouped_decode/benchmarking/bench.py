@@ -497,7 +497,7 @@ def main(argv=None) -> int:
                         help="token counts (every column at each; 128..384 finely, where the routes and vLLM's "
                         "backends cross)")
     parser.add_argument("--grouped-max", type=int, default=1024,
-                        help="the grouped op and floor2 up to this M (past the grouped window's top, 192 on the "
+                        help="the grouped op and floor2 up to this M (past the grouped window's top, 160 on the "
                              "H200, so --write-routes sees both sides of it)")
     parser.add_argument("--layers", type=int, default=32, help="layers of distinct weights rotated in one graph (>= 32 keeps L2 cold)")
     parser.add_argument("--large-from", type=int, default=1024, help="from this M on, time --large-layers layers")

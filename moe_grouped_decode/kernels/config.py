@@ -154,6 +154,10 @@ class PrefillConfig:
     # overlaps the previous step (as W2 always does); 11-15 more registers, which at 32- and 64-row
     # groups cost W13 programs per SM
     w13_scales_ahead: bool = False
+    # wgmma: W13's programs over a group's columns: "wide" (64 gate + 64 up columns each, the last
+    # padded where 64 does not divide N), "narrow" (32 + 32, no padding where 32 divides N) or
+    # "tail" (wide programs for every group first, then a narrow one for the N % 64 = 32 left)
+    w13_tiles: str = "wide"
 
     def __post_init__(self) -> None:
         for field in ("w13_warps", "w2_warps", "w13_stages", "w2_stages"):
@@ -165,6 +169,8 @@ class PrefillConfig:
                                        or self.w13_block_k not in (32, 64)):
             raise ValueError("PrefillConfig: the wgmma kernels take block_rows <= 128, rings of >= 2 stages and "
                              "w13_block_k 32 or 64")
+        if self.w13_tiles not in ("wide", "narrow", "tail"):
+            raise ValueError(f"PrefillConfig.w13_tiles must be 'wide', 'narrow' or 'tail', got {self.w13_tiles!r}")
         if self.token_blocks not in (1, 2, 4):
             raise ValueError(f"PrefillConfig.token_blocks must be 1, 2 or 4, got {self.token_blocks}")
         for field, least in (("block_rows", 8 if self.kernel == "wgmma" else 16), ("w13_block_n", 16),
@@ -189,20 +195,26 @@ def prefill_candidates() -> Tuple[PrefillConfig, ...]:
     prefill tables): the mma kernels over 8- and 16-row groups; the dot kernels over 32-, 64- and
     128-row groups, each with six W13 variants (gate columns, reduction rows per step, warps,
     pipeline depth) paired with six W2 variants (columns, warps, depth), and two over 256-row
-    groups; the wgmma kernels over 8- to 128-row groups, W13's scales a step ahead or not. W13 and
-    W2 are timed apart (sort + W13, then the rest), so the pairing costs no coverage."""
+    groups; the wgmma kernels over 8- to 128-row groups, W13's scales a step ahead or not, W13's
+    programs wide, narrow or with a narrow tail. W13 and W2 are timed apart (sort + W13, then the
+    rest), so the pairing costs no coverage."""
     w13 = ((32, 32, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (32, 128, 4, 3))
     w2 = ((128, 8, 3), (256, 8, 3), (64, 4, 3), (128, 4, 3), (256, 4, 3), (64, 8, 2))
     dot = [(rows, a, b) for rows in (32, 64, 128) for a, b in zip(w13, w2)]
     dot += [(256, (64, 32, 8, 3), (128, 8, 3)), (256, (32, 64, 8, 3), (256, 8, 2))]
-    wgmma = [(8, 64, 3, 4, True), (16, 32, 4, 4, False), (16, 64, 3, 4, False), (16, 64, 3, 4, True),
-             (32, 32, 4, 4, False), (32, 64, 3, 4, False), (32, 64, 3, 4, True), (64, 32, 4, 4, False),
-             (64, 64, 3, 4, False), (64, 64, 4, 4, False), (128, 32, 3, 3, False)]
+    wgmma = [(8, 64, 3, 4, True, "wide"), (8, 64, 3, 4, True, "narrow"), (8, 64, 3, 4, True, "tail"),
+             (16, 32, 4, 4, False, "wide"), (16, 64, 3, 4, False, "wide"), (16, 64, 3, 4, True, "wide"),
+             (16, 64, 3, 4, True, "narrow"), (16, 64, 4, 4, True, "narrow"), (16, 64, 3, 4, True, "tail"),
+             (32, 32, 4, 4, False, "wide"), (32, 64, 3, 4, False, "wide"), (32, 64, 3, 4, True, "wide"),
+             (32, 64, 3, 4, False, "narrow"), (32, 64, 3, 4, False, "tail"), (64, 32, 4, 4, False, "wide"),
+             (64, 64, 3, 4, False, "wide"), (64, 64, 4, 4, False, "wide"), (64, 64, 4, 4, False, "narrow"),
+             (128, 32, 3, 3, False, "wide")]
     return (PrefillConfig(token_blocks=1), PrefillConfig(token_blocks=2)) + tuple(
         PrefillConfig(kernel="dot", block_rows=rows, w13_block_n=a[0], w13_block_k=a[1], w13_warps=a[2],
                       w13_stages=a[3], w2_block_n=b[0], w2_warps=b[1], w2_stages=b[2]) for rows, a, b in dot) + tuple(
-        PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=k, w13_stages=a, w2_stages=b, w13_scales_ahead=ahead)
-        for rows, k, a, b, ahead in wgmma)
+        PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=k, w13_stages=a, w2_stages=b, w13_scales_ahead=ahead,
+                      w13_tiles=tiles)
+        for rows, k, a, b, ahead, tiles in wgmma)
 
 
 # --------------------------------------------------------------------------- entries (tables and cache)

@@ -1,8 +1,9 @@
 """The prefill route's two GEMMs on Hopper's wgmma, the dequantized weights as its register A operand.
 
 The GEMM runs transposed, out^T = W^T x^T: the weight columns are the wgmma's M (128 per program,
-two m64 blocks), the group's sorted rows its N (BLOCK_ROWS tokens), the reduction its K in steps
-of SUB pieces of 32 rows (each inside one AWQ group, whose scales and zeros it takes). Each step's packed words go from global memory to a shared ring by
+two m64 blocks; W13 also 64, one block: ``w13_tiles``), the group's sorted rows its N (BLOCK_ROWS
+tokens), the reduction its K in steps of SUB pieces of 32 rows (each inside one AWQ group, whose
+scales and zeros it takes). Each step's packed words go from global memory to a shared ring by
 ``cp.async`` and from there to registers, where PTX turns them into the A operand in the layout
 wgmma reads from registers: no dequantized tile is ever stored to shared memory (the ``tl.dot``
 kernels of ``prefill_dot.py`` store one per step, and wait on a barrier for it). The tokens' rows
@@ -10,8 +11,9 @@ kernels of ``prefill_dot.py`` store one per step, and wait on a barrier for it).
 loads, are requested a piece (W2) or a step (W13, ``SCALES_AHEAD``) before the piece that uses
 them, so their latency overlaps work::
 
-    [W13]  program (group, tile): the tile's 64 gate and the same 64 up columns (rows r = 0, 1 of A)
-           per 32-row piece: words[32, 16] -> A[128, 32] (registers)
+    [W13]  program (group, tile): the tile's 64 gate and the same 64 up columns (rows r = 0, 1 of A),
+           or 32 and 32 (one m64 block, gate in warps 0-1, up in warps 2-3)
+           per 32-row piece: words[32, 16] -> A[128, 32] (registers), or words[32, 8] -> A[64, 32]
                              x rows[BLOCK_ROWS, 32] -> B (shared)   acc[128, BLOCK_ROWS] += A @ B (wgmma)
            -> act[sorted position, cols] = silu(gate) * up, in the activation dtype
     [W2]   program (group, TILES_PER_PROGRAM tiles of 128 output columns): the group's act rows
@@ -21,7 +23,8 @@ them, so their latency overlaps work::
 
 A's rows and the words: thread (warp w, lane 4 g + t) holds, as the m16n8k16 fragment does in
 each of wgmma's m64 blocks, rows g and g + 8 of block 16 w; with g = 4 gh + b, its rows in block r
-are the nibbles 2 b and 2 b + 1 (h = 0, 1) of word 8 r + 2 w + gh of the tile, at reduction rows
+are the nibbles 2 b and 2 b + 1 (h = 0, 1) of word 8 r + 2 w + gh of the tile (2 w + gh in a
+one-block program), at reduction rows
 2 t, 2 t + 1 (+8, +16, +24). A PRMT of the words of rows (k, k + 1) brings byte b of each into one
 register, and one LOP3 per nibble gives the fp16 (bf16) pair (magic + q) of both rows, from which
 one pair subtract of (magic + z) and one pair multiply by the column's scale make the pair of A:
@@ -40,6 +43,17 @@ from .gluon_helpers import AVAILABLE
 STEP_ROWS = 32  # reduction rows per piece of a step (the layouts below are built for 32: not a knob)
 TILE_COLUMNS = 128  # A rows per program: two m64 blocks
 W2_TILES_PER_PROGRAM = 4  # W2: 128-column tiles per program (the act rows copied once for them)
+
+
+def w13_tiles_run(tiles: str, N: int) -> str:
+    """The W13 tiling that runs for ``PrefillConfig.w13_tiles`` at intermediate size N: "tail" only
+    where N % 64 leaves 32 columns (else every program is wide anyway)."""
+    return "wide" if tiles == "tail" and N % 64 != 32 else tiles
+
+
+def w13_programs_per_group(tiles: str, N: int) -> int:
+    """W13's programs per sorted group under ``w13_tiles_run``'s tiling."""
+    return {"wide": -(-N // 64), "narrow": N // 32, "tail": N // 64 + 1}[tiles]
 
 # fp16: nibble 2b at bits 0-3 | 0x6400 is 1024 + q, nibble 2b + 1 at bits 4-7 | 0x5400 is 64 + q;
 # bf16: each nibble shifted to bits 0-3 | 0x4300 is 128 + q
@@ -99,8 +113,10 @@ if HOPPER_AVAILABLE:
     _COLS2 = gl.SliceLayout(0, _WORDS3)  # [16, 4]: per (word, byte)
     _COPY_WORDS = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [32, 16] int32, 16 bytes a thread
     _COPY_ROWS = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [rows, 32] 16-bit, 16 bytes a thread
-    # the words ring: conflict-free reads of rows 2 t (+1) by the four t of a warp
+    _COPY_WORDS_NARROW = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])  # [32, 8] int32, 8 bytes a thread
+    # the words ring: conflict-free reads of rows 2 t (+1) by the four t of a warp (16 or 8 words a row)
     _RING_WORDS = gl.SwizzledSharedLayout(4, 2, 4, [1, 0])
+    _RING_WORDS_NARROW = gl.SwizzledSharedLayout(2, 2, 4, [1, 0])
     _RING_ROWS = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
 
     @gluon.jit
@@ -118,17 +134,18 @@ if HOPPER_AVAILABLE:
         return b3 * 0x1111 + 0x4400, b2 * 0x0101
 
     @gluon.jit
-    def _tile_columns(word_base, word_stride_r):
-        """[16, 4] over _COLS2 (word of the tile wd = 8 r + 2 w + gh, byte b): the packed column of
-        each word (base + r * stride + wd % 8), the logical columns of its nibbles 2 b and 2 b + 1,
-        and wd % 8 (the word's place in its block of A)."""
-        wd = gl.arange(0, 16, layout=gl.SliceLayout(1, _COLS2))[:, None]
+    def _tile_columns(word_base, word_stride_r, HALF: gl.constexpr):
+        """[2 HALF, 4] over _COLS2 (word of the tile wd, byte b; the first HALF words are one half of
+        the tile, gate or W2's columns, the next HALF the up words): the packed column of each word
+        (base + (wd // HALF) * stride + wd % HALF), the logical columns of its nibbles 2 b and
+        2 b + 1, and wd % HALF (the word's place in its half)."""
+        wd = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(1, _COLS2))[:, None]
         b = gl.arange(0, 4, layout=gl.SliceLayout(0, _COLS2))[None, :]
-        word = word_base + (wd // 8) * word_stride_r + wd % 8 + b * 0
+        word = word_base + (wd // HALF) * word_stride_r + wd % HALF + b * 0
         # AutoAWQ: nibble p holds column 2 (p % 4) + p // 4 of its word's 8; p = 2 b + h
         col_lo = word * 8 + 2 * ((2 * b) % 4) + (2 * b) // 4
         col_hi = word * 8 + 2 * ((2 * b + 1) % 4) + (2 * b + 1) // 4
-        return word, col_lo, col_hi, wd % 8 + b * 0
+        return word, col_lo, col_hi, wd % HALF + b * 0
 
     @gluon.jit
     def _zero_pairs(zero_words, zero_pick, IS_BF16: gl.constexpr):
@@ -151,20 +168,29 @@ if HOPPER_AVAILABLE:
             [w3, gl.broadcast(pick, w3)[0], gl.broadcast(zero_lo, w3)[0], gl.broadcast(zero_hi, w3)[0],
              gl.broadcast(scale_lo, w3)[0], gl.broadcast(scale_hi, w3)[0]],
             dtype=(scale_lo.dtype, scale_lo.dtype), is_pure=True, pack=2)
-        # [k, word (r, w1, w0, gh), byte (b1, b0), h] -> A row 64 r + 16 w + 8 h + 4 gh + b
         a = gl.join(lo, hi)
-        a = gl.reshape(a, [32, 2, 2, 2, 2, 2, 2, 2])
-        a = gl.permute(a, [1, 2, 3, 7, 4, 5, 6, 0])
-        a = gl.reshape(a, [128, 32])
+        if words.shape[1] == 16:  # [k, word (r, w1, w0, gh), byte (b1, b0), h] -> A row 64 r + 16 w + 8 h + 4 gh + b
+            a = gl.reshape(a, [32, 2, 2, 2, 2, 2, 2, 2])
+            a = gl.permute(a, [1, 2, 3, 7, 4, 5, 6, 0])
+            a = gl.reshape(a, [128, 32])
+        else:  # [k, word (w1, w0, gh), byte (b1, b0), h] -> A row 16 w + 8 h + 4 gh + b
+            a = gl.reshape(a, [32, 2, 2, 2, 2, 2, 2])
+            a = gl.permute(a, [1, 2, 6, 3, 4, 5, 0])
+            a = gl.reshape(a, [64, 32])
         return gl.convert_layout(a, A_LAYOUT)
 
     @gluon.jit
     def _in_column_order(acc, n: gl.constexpr):
         """acc [128, n] with its rows reordered from A's (64 r + 16 w + 8 h + 4 gh + b) to the tile's
-        logical columns (64 r + 32 w1 + 16 w0 + 8 gh + 4 b0 + 2 h + b1): reshapes, no data moved."""
-        a = gl.reshape(acc, [2, 2, 2, 2, 2, 2, 2, n])  # r, w1, w0, h, gh, b1, b0
-        a = gl.permute(a, [0, 1, 2, 4, 6, 3, 5, 7])  # r, w1, w0, gh, b0, h, b1
-        return gl.reshape(a, [128, n])
+        logical columns (64 r + 32 w1 + 16 w0 + 8 gh + 4 b0 + 2 h + b1); acc [64, n] from 16 w + 8 h +
+        4 gh + b to 32 w1 + 16 w0 + 8 gh + 4 b0 + 2 h + b1: reshapes, no data moved."""
+        if acc.shape[0] == 128:
+            a = gl.reshape(acc, [2, 2, 2, 2, 2, 2, 2, n])  # r, w1, w0, h, gh, b1, b0
+            a = gl.permute(a, [0, 1, 2, 4, 6, 3, 5, 7])  # r, w1, w0, gh, b0, h, b1
+        else:
+            a = gl.reshape(acc, [2, 2, 2, 2, 2, 2, n])  # w1, w0, h, gh, b1, b0
+            a = gl.permute(a, [0, 1, 3, 5, 2, 4, 6])  # w1, w0, gh, b0, h, b1
+        return gl.reshape(a, [acc.shape[0], n])
 
     @gluon.jit
     def _wait_for_step(STAGES: gl.constexpr):
@@ -195,32 +221,31 @@ if HOPPER_AVAILABLE:
                                                    mask=row_ok)
 
     @gluon.jit
-    def w13_wgmma_kernel(
-        x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, num_groups_ptr,
+    def _w13_tile(
+        x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, group_id, word_base,
         qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
         TOP_K: gl.constexpr, K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, BLOCK_ROWS: gl.constexpr,
-        STAGES: gl.constexpr, IS_BF16: gl.constexpr, SUB: gl.constexpr = 1, SCALES_AHEAD: gl.constexpr = False,
+        STAGES: gl.constexpr, IS_BF16: gl.constexpr, SUB: gl.constexpr, SCALES_AHEAD: gl.constexpr,
+        HALF: gl.constexpr,
     ):
-        """act[position, cols] = silu(x W13_gate) * (x W13_up) for the group's rows, 64 columns per program;
-        a step is SUB pieces of 32 reduction rows (one wait and one barrier for all of them)."""
-        TILES: gl.constexpr = (N + 63) // 64
+        """One program's tile: the HALF gate words from ``word_base`` (8 HALF columns) and the same up
+        words, as A's 16 HALF rows (HALF = 8: two m64 blocks, gate then up; HALF = 4: one, gate in
+        warps 0-1 and up in warps 2-3)."""
+        ROWS: gl.constexpr = 16 * HALF
         PACKED: gl.constexpr = 2 * N // 8
         STEPS: gl.constexpr = K // (32 * SUB)
-        pid = gl.program_id(0)
-        group_id = pid // TILES
-        tile = pid % TILES
-        if group_id >= gl.load(num_groups_ptr):
-            return
         expert, start, count = _group_of(group_id, group_expert_ptr, group_start_ptr, group_count_ptr)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_ROWS, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        copy_words: gl.constexpr = _COPY_WORDS if HALF == 8 else _COPY_WORDS_NARROW
+        ring_layout: gl.constexpr = _RING_WORDS if HALF == 8 else _RING_WORDS_NARROW
 
-        # a step's words: the tile's 8 gate words, then the same 8 up words (A's blocks r = 0, 1)
-        ck = gl.arange(0, 32, layout=gl.SliceLayout(1, _COPY_WORDS))[:, None]
-        cw = gl.arange(0, 16, layout=gl.SliceLayout(0, _COPY_WORDS))[None, :]
-        word_ok = (tile * 8 + cw % 8 < N // 8) & (ck >= 0)
-        words_src = qweight_ptr + expert * (K * PACKED) + ck * PACKED + tile * 8 + cw % 8 + (cw // 8) * (N // 8)
+        # a step's words: the tile's gate words, then the same up words
+        ck = gl.arange(0, 32, layout=gl.SliceLayout(1, copy_words))[:, None]
+        cw = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, copy_words))[None, :]
+        word_ok = (word_base + cw % HALF < N // 8) & (ck >= 0)
+        words_src = qweight_ptr + expert * (K * PACKED) + ck * PACKED + word_base + cw % HALF + (cw // HALF) * (N // 8)
         # a step's token rows: x rows in the sort's order
         rr = gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(1, _COPY_ROWS))[:, None]
         rk = gl.arange(0, 32, layout=gl.SliceLayout(0, _COPY_ROWS))[None, :]
@@ -228,7 +253,7 @@ if HOPPER_AVAILABLE:
         token = (gl.load(sorted_rows_ptr + start + rr, mask=rr < count, other=0) // TOP_K).to(gl.int64)
         rows_src = x_ptr + token * stride_xm + rk
 
-        ring_words = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, 32, 16], _RING_WORDS)
+        ring_words = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, 32, 2 * HALF], ring_layout)
         ring_rows = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES * SUB, BLOCK_ROWS, 32], _RING_ROWS)
         for s in gl.static_range(STAGES - 1):
             if s < STEPS:  # a K of fewer steps than the ring holds reads nothing past the expert
@@ -236,11 +261,11 @@ if HOPPER_AVAILABLE:
             async_copy.commit_group()
 
         pick, zero_pick = _selectors()
-        word, col_lo, col_hi, local = _tile_columns(tile * 8, N // 8)
-        ok = tile * 8 + local < N // 8
+        word, col_lo, col_hi, local = _tile_columns(word_base, N // 8, HALF)
+        ok = word_base + local < N // 8
         expert_scales = scales_ptr + expert * (K // G * 2 * N)
         expert_zeros = qzeros_ptr + expert * (K // G * PACKED) + word
-        acc = gl.zeros([128, BLOCK_ROWS], gl.float32, layout=mma)
+        acc = gl.zeros([ROWS, BLOCK_ROWS], gl.float32, layout=mma)
         # the step's scales and zero words: requested a step ahead (SCALES_AHEAD: their latency then
         # overlaps a whole step, for 11-15 more registers) or at the step's start, before its wait
         if SCALES_AHEAD:
@@ -281,15 +306,60 @@ if HOPPER_AVAILABLE:
             acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)
 
-        out = _in_column_order(acc, BLOCK_ROWS)
-        gate, up = gl.split(gl.permute(gl.reshape(out, [2, 64, BLOCK_ROWS]), [1, 2, 0]))
+        out = gl.permute(gl.reshape(_in_column_order(acc, BLOCK_ROWS), [2, 8 * HALF, BLOCK_ROWS]), [1, 2, 0])
+        if HALF == 4:  # gate and up in different warps: bring each column's pair into one thread
+            out = gl.convert_layout(out, gl.BlockedLayout([1, 1, 2], [8, 4, 1], [4, 1, 1], [2, 1, 0]))
+        gate, up = gl.split(out)
         act = (gate / (1.0 + gl.exp(-gate)) * up).to(act_ptr.dtype.element_ty)
-        store: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+        store: gl.constexpr = gl.BlockedLayout([HALF, 1], [8, 4], [1, 4], [0, 1])
         act = gl.convert_layout(act, store)
-        c = gl.arange(0, 64, layout=gl.SliceLayout(1, store))[:, None]
+        c = gl.arange(0, 8 * HALF, layout=gl.SliceLayout(1, store))[:, None]
         n = gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(0, store))[None, :]
-        cols = tile * 64 + c
+        cols = word_base * 8 + c
         gl.store(act_ptr + (start + n).to(gl.int64) * N + cols, act, mask=(cols < N) & (n < count))
+
+    @gluon.jit
+    def w13_wgmma_kernel(
+        x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, num_groups_ptr,
+        qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
+        TOP_K: gl.constexpr, K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, BLOCK_ROWS: gl.constexpr,
+        STAGES: gl.constexpr, IS_BF16: gl.constexpr, SUB: gl.constexpr = 1, SCALES_AHEAD: gl.constexpr = False,
+        TILES: gl.constexpr = "wide",
+    ):
+        """act[position, cols] = silu(x W13_gate) * (x W13_up) for the group's rows; a step is SUB pieces
+        of 32 reduction rows (one wait and one barrier for all of them). TILES (``w13_tiles``): "wide",
+        programs of 64 gate and 64 up columns (the last one padded where 64 does not divide N);
+        "narrow", of 32 and 32 (none padded where 32 divides N); "tail", wide programs for every group
+        first, then one narrow program per group for the N % 64 = 32 columns left (the grid is
+        max_groups * (N // 64 + 1): the long programs start first, the short ones fill in behind)."""
+        pid = gl.program_id(0)
+        if TILES == "narrow":
+            group_id = pid // (N // 32)
+            if group_id < gl.load(num_groups_ptr):
+                _w13_tile(x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr,
+                          group_id, (pid % (N // 32)) * 4, qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
+                          TOP_K, K, N, G, BLOCK_ROWS, STAGES, IS_BF16, SUB, SCALES_AHEAD, 4)
+        elif TILES == "tail":
+            WIDE: gl.constexpr = N // 64
+            wide_programs = gl.num_programs(0) // (WIDE + 1) * WIDE
+            if pid < wide_programs:
+                group_id = pid // WIDE
+                if group_id < gl.load(num_groups_ptr):
+                    _w13_tile(x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr,
+                              group_id, (pid % WIDE) * 8, qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
+                              TOP_K, K, N, G, BLOCK_ROWS, STAGES, IS_BF16, SUB, SCALES_AHEAD, 8)
+            else:
+                group_id = pid - wide_programs
+                if group_id < gl.load(num_groups_ptr):
+                    _w13_tile(x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr,
+                              group_id, WIDE * 8, qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
+                              TOP_K, K, N, G, BLOCK_ROWS, STAGES, IS_BF16, SUB, SCALES_AHEAD, 4)
+        else:
+            group_id = pid // ((N + 63) // 64)
+            if group_id < gl.load(num_groups_ptr):
+                _w13_tile(x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr,
+                          group_id, (pid % ((N + 63) // 64)) * 8, qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
+                          TOP_K, K, N, G, BLOCK_ROWS, STAGES, IS_BF16, SUB, SCALES_AHEAD, 8)
 
     @gluon.jit
     def w2_wgmma_kernel(
@@ -338,7 +408,7 @@ if HOPPER_AVAILABLE:
             async_copy.commit_group()
 
         pick, zero_pick = _selectors()
-        word, col_lo, col_hi, local = _tile_columns(0, 8)
+        word, col_lo, col_hi, local = _tile_columns(0, 8, 8)
         expert_scales = scales_ptr + expert * (N // G * K)
         expert_zeros = qzeros_ptr + expert * (N // G * PACKED)
         store: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
