@@ -173,7 +173,7 @@ TUNE_MAX_TOKENS = 8
 
 def random_routing(num_tokens: int, top_k: int, num_experts: int, device, generator) -> torch.Tensor:
     """Distinct random experts per token, as a router gives, int32 [M, k]."""
-    scores = torch.rand(num_tokens, num_experts, device=device, generator=generator)
+    scores = torch.rand(num_tokens, num_experts, device=device, dtype=torch.float32, generator=generator)
     return scores.topk(top_k, dim=1).indices.to(torch.int32)
 
 
@@ -230,14 +230,45 @@ def _report_compile(kwargs: dict) -> None:
     if key in seen:
         return
     seen.add(key)
+    options = str(kwargs.get("repr", "")).split("](")[0] + "]"
     _compile_watch["log"](f"moe_grouped_decode: Triton compiled {name} ({module}) after the plugin's warmup: a binary "
                           f"its warmup did not cover, compiled during CUDA-graph capture or serving: "
-                          f"{str(kwargs.get('repr', ''))[:400]}")
+                          f"{options[:200]}({compiled_arguments(kwargs)[:1200]})")
+
+
+def compiled_arguments(kwargs: dict) -> str:
+    """The runtime arguments of one compile as Triton keyed its binary, from the compile hook's
+    ``compile`` record: ``name type`` (``/16`` where Triton specialized a pointer or int on being a
+    multiple of 16) or ``name=value`` where it made the argument a constant (an int 1, None).
+    Parameters declared constexpr are left out. Empty where the record is not in this form."""
+    record = kwargs.get("compile") or {}
+    signature = record.get("signature")
+    params = getattr(getattr(kwargs.get("fn"), "jit_function", None), "params", None)
+    if not isinstance(signature, dict) or params is None:
+        return ""
+    constants = record.get("constants") or {}
+    attrs = (record.get("configs") or [{}])[0] or {}
+    parts = []
+    for index, (param, (name, kind)) in enumerate(zip(params, signature.items())):
+        if getattr(param, "is_constexpr", False):
+            continue
+        if kind == "constexpr":
+            parts.append(f"{name}={constants.get((index,))!r}")
+        else:
+            aligned = any(attr[0] == "tt.divisibility" for attr in attrs.get((index,), ()))
+            parts.append(f"{name} {kind}{'/16' if aligned else ''}")
+    return ", ".join(parts)
+
+
+# The router weights' dtype the warmup compiles for: vLLM's routers give float32 whatever the model's
+# dtype. Triton keys a binary by every pointer's dtype, so the kernels that read topk_weights (W2 with
+# the fused combine, the combines) compile once per dtype they are called with.
+ROUTER_WEIGHTS_DTYPE = torch.float32
 
 
 def warmup(weights: AwqMoeWeights, top_k: int, grouped_token_counts: Iterable[int],
            dense_token_counts: Iterable[int] = (), workspace: Optional[torch.Tensor] = None,
-           dtype: Optional[torch.dtype] = None) -> None:
+           dtype: Optional[torch.dtype] = None, weights_dtype: torch.dtype = ROUTER_WEIGHTS_DTYPE) -> None:
     """Compile (and, with MOE_GROUPED_DECODE_TUNE=1, tune) every kernel variant.
 
     Call once per layer shape before CUDA-graph capture, with the token counts the grouped
@@ -245,17 +276,19 @@ def warmup(weights: AwqMoeWeights, top_k: int, grouped_token_counts: Iterable[in
     ``prefill_warmup_counts`` covers every binary up to a token count). Runs each op once on random activations and routing; the tune, if
     enabled, runs here and never during capture, and is cached on disk per GPU, shape and
     Triton version. ``workspace`` must hold max(grouped_token_counts) * top_k rows (a
-    temporary one is allocated if omitted).
+    temporary one is allocated if omitted). ``dtype``: the activations' (default: the scales');
+    ``weights_dtype``: topk_weights' as the caller's router gives them (float32 for vLLM's). Every
+    tensor is made with an explicit dtype: vLLM runs this while its default dtype is the model's.
     """
     global _warming
     _warming += 1
     try:
-        _warmup(weights, top_k, grouped_token_counts, dense_token_counts, workspace, dtype)
+        _warmup(weights, top_k, grouped_token_counts, dense_token_counts, workspace, dtype, weights_dtype)
     finally:
         _warming -= 1
 
 
-def _warmup(weights, top_k, grouped_token_counts, dense_token_counts, workspace, dtype) -> None:
+def _warmup(weights, top_k, grouped_token_counts, dense_token_counts, workspace, dtype, weights_dtype) -> None:
     from .autotune import load_tuned_cache, tune_grouped
     from .workspace import alloc_workspace
 
@@ -267,7 +300,7 @@ def _warmup(weights, top_k, grouped_token_counts, dense_token_counts, workspace,
     max_tokens = max(grouped_counts + dense_counts + [1])
     gen = torch.Generator(device=device).manual_seed(0)
     hidden_states = torch.randn(max_tokens, K, device=device, dtype=dtype, generator=gen)
-    topk_weights = torch.rand(max_tokens, top_k, device=device, generator=gen)
+    topk_weights = torch.rand(max_tokens, top_k, device=device, dtype=weights_dtype, generator=gen)
     load_tuned_cache(device)
     if env.check_ids():
         ids_flag(device)  # before any capture
