@@ -248,8 +248,8 @@ for dtype in ("fp16", "bf16"):
 
 
 def test_the_wgmma_prefill_kernels_take_a_from_registers():
-    """The wgmma prefill kernels (both dtypes, the table's configs) compile for sm_90 within 255
-    registers and no stack, multiply with HGMMA whose A operand is registers, and store nothing to
+    """The wgmma prefill kernels (both dtypes, the table's configs: narrow and wide W13 programs)
+    compile for sm_90 within 255 registers and no stack, multiply with HGMMA whose A operand is registers, and store nothing to
     shared memory in W13's step loop (the dequantized weights never pass through it)."""
     code = r"""
 import re, sys
@@ -257,9 +257,9 @@ sys.path.insert(0, BENCHMARKS)
 import sass_stats
 from moe_grouped_decode.kernels.config import PrefillConfig
 for dtype in ("fp16", "bf16"):
-    for rows in (8, 16, 64):  # the table's configs: 64-row W13 steps (two pieces of 32)
+    for rows, tiles in ((8, "narrow"), (16, "narrow"), (16, "wide"), (64, "wide")):  # 64-row W13 steps
         cfg = PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3 if rows < 64 else 4,
-                            w2_stages=4, w13_scales_ahead=rows < 64)
+                            w2_stages=4, w13_scales_ahead=rows < 64, w13_tiles=tiles)
         for name, kernel, _, _ in sass_stats.prefill_kernels(dtype, 2048, cfg):
             launch = name.split()[2]
             if "wgmma" not in launch:
@@ -267,7 +267,7 @@ for dtype in ("fp16", "bf16"):
             usage = sass_stats.cuobjdump(kernel, "-res-usage")
             sass = sass_stats.cuobjdump(kernel, "-sass")
             a_operands = re.findall(r"HGMMA\.64x\d+x16\.F32\S* R\d+, (\S+),", sass)
-            print("kernel", dtype, rows, launch, usage.split("REG:")[1].split()[0], usage.split("STACK:")[1].split()[0],
+            print("kernel", dtype, f"{rows}-{tiles}", launch, usage.split("REG:")[1].split()[0], usage.split("STACK:")[1].split()[0],
                   len(a_operands), all(a.startswith("R") for a in a_operands))
             if launch == "w13_prefill_wgmma":
                 # the step loop: from the backward branch's target to the branch
@@ -276,16 +276,18 @@ for dtype in ("fp16", "bf16"):
                 end, target = next((at, int(m.group(1), 16)) for at, line in lines
                                    if (m := re.search(r"BRA (0x[0-9a-f]+)", line)) and int(m.group(1), 16) < at)
                 body = [line for at, line in lines if target <= at <= end]
-                print("loop", dtype, rows, sum(" STS" in line for line in body), sum("HGMMA" in line for line in body))
+                print("loop", dtype, f"{rows}-{tiles}", sum(" STS" in line for line in body),
+                      sum("HGMMA" in line for line in body))
 """.replace("BENCHMARKS", repr(str(ROOT / "benchmarks")))
     stdout = _python_stdout("-c", code)
     kernels = [line.split() for line in stdout.splitlines() if line.startswith("kernel ")]
     assert {(row[1], row[2], row[3]) for row in kernels} == {
-        (dtype, rows, name) for dtype in ("fp16", "bf16") for rows in ("8", "16", "64")
+        (dtype, rows, name) for dtype in ("fp16", "bf16") for rows in ("8-narrow", "16-narrow", "16-wide", "64-wide")
         for name in ("w13_prefill_wgmma", "w2_prefill_wgmma")}, stdout
     for row in kernels:
         assert 0 < int(row[4]) <= 255 and int(row[5]) == 0 and int(row[6]) > 0 and row[7] == "True", row
     loops = [line.split() for line in stdout.splitlines() if line.startswith("loop ")]
-    assert len(loops) == 6, stdout
+    assert len(loops) == 8, stdout
     for row in loops:
-        assert row[3] == "0" and row[4] == "8", row  # no shared store; two m64 blocks x four k16 per step
+        # no shared store; per 64-row step four k16 for each m64 block: two (wide) or one (narrow)
+        assert row[3] == "0" and row[4] == ("8" if row[2].endswith("wide") else "4"), row
