@@ -430,39 +430,18 @@ def test_prefill_wgmma_plan_on_hopper_and_what_runs_elsewhere(rows):
         plan.PrefillConfig(kernel="wgmma", w13_block_k=128)
 
 
-@pytest.mark.parametrize("N,tiles,per_group,half", [
-    (160, "wide", 3, 8), (160, "narrow", 5, 4), (160, "tail", 3, 8), (128, "tail", 2, 8), (128, "narrow", 4, 4),
-])
-def test_wgmma_w13_tilings_cover_every_column_once(N, tiles, per_group, half):
-    """W13's programs per group under each tiling (a tail only where N % 64 leaves 32 columns) and,
-    program by program as the kernel reads its id, the gate columns each covers: together every
-    column of the intermediate size exactly once, padding only past N."""
-    from moe_grouped_decode.kernels import prefill_wgmma
-
-    run = prefill_wgmma.w13_tiles_run(tiles, N)
-    assert prefill_wgmma.w13_programs_per_group(run, N) == per_group
-    groups = 7
-    programs = groups * per_group
-    covered = {g: [] for g in range(groups)}
-    for pid in range(programs):
-        if run == "narrow":
-            group, first, width = pid // (N // 32), (pid % (N // 32)) * 32, 32
-        elif run == "tail":
-            wide_programs = programs // (N // 64 + 1) * (N // 64)
-            group, first, width = ((pid // (N // 64), (pid % (N // 64)) * 64, 64) if pid < wide_programs
-                                   else (pid - wide_programs, N // 64 * 64, 32))
-        else:
-            group, first, width = pid // -(-N // 64), (pid % -(-N // 64)) * 64, 64
-        assert width == 8 * half or run == "tail"
-        covered[group] += list(range(first, min(first + width, N)))
-    assert all(sorted(cols) == list(range(N)) for cols in covered.values())
+@pytest.mark.parametrize("N,tiles,per_group", [(160, "wide", 3), (160, "narrow", 5), (128, "wide", 2), (128, "narrow", 4)])
+def test_wgmma_w13_tilings_plan_one_program_per_column_block(N, tiles, per_group):
+    """W13's grid: per sorted group one program per 64 columns (wide, the last padded where 64 does
+    not divide N) or per 32 (narrow), over the largest possible number of groups; the kernel gets
+    the tiling as a constexpr. An unknown tiling is refused."""
     with pytest.raises(ValueError, match="w13_tiles must be"):
-        plan.PrefillConfig(kernel="wgmma", w13_tiles="half")
+        plan.PrefillConfig(kernel="wgmma", w13_tiles="tail")
     cfg = plan.PrefillConfig(kernel="wgmma", block_rows=16, w13_tiles=tiles)
     hopper = plan.prefill_plan(300, 10, 512, 2560, N, 32, torch.float16, (9, 0), cfg)
     if plan.gluon_runs((9, 0)):
         w13 = next(lu for lu in hopper.launches if lu.stage == "w13")
-        assert w13.grid == ((-(-3000 // 16) + 512) * per_group,) and dict(w13.constexprs)["TILES"] == run
+        assert w13.grid == ((-(-3000 // 16) + 512) * per_group,) and dict(w13.constexprs)["TILES"] == tiles
 
 
 def test_write_routes_takes_the_grouped_ops_run_from_the_smallest_m(tmp_path):

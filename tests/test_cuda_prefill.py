@@ -89,11 +89,11 @@ def test_prefill_matches_reference(layer, M, pattern):
     PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=32, w13_stages=2, w2_stages=2, w13_scales_ahead=True),
     PrefillConfig(kernel="wgmma", block_rows=8, w13_block_k=64, w13_stages=3, w2_stages=4, w13_scales_ahead=True,
                   w13_tiles="narrow"),
-    PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=32, w13_stages=2, w2_stages=2, w13_tiles="tail"),
+    PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=32, w13_stages=2, w2_stages=2, w13_tiles="narrow"),
     PrefillConfig(kernel="wgmma", block_rows=32, w13_block_k=64, w13_stages=3, w2_stages=4, w13_tiles="narrow"),
 ], ids=["tb2", "tb4-8warps", "1warp", "dot16", "dot32-n64", "dot64-8warps", "dot128", "wgmma64", "wgmma128",
         "wgmma16", "wgmma32-k64", "wgmma8-ahead", "wgmma16-k64-ahead", "wgmma16-k32-ahead", "wgmma8-narrow",
-        "wgmma16-k32-tail", "wgmma32-narrow"])
+        "wgmma16-k32-narrow", "wgmma32-narrow"])
 def test_prefill_configs_match_reference(layer, config):
     """Every launch shape the route table may pick, on routing with multi-group experts."""
     weights, cpu_weights = layer
@@ -118,7 +118,7 @@ def test_wgmma_group_rows_and_scales_ahead_keep_the_bits(layer):
     ids, tw = routing("skewed", M, gen)
     outs = []
     for rows, ahead, tiles in ((16, False, "wide"), (16, True, "wide"), (8, True, "wide"), (8, False, "wide"),
-                               (32, False, "wide"), (16, True, "narrow"), (8, True, "tail"), (32, False, "narrow")):
+                               (32, False, "wide"), (16, True, "narrow"), (8, False, "narrow"), (32, False, "narrow")):
         config = PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3, w2_stages=4,
                                w13_scales_ahead=ahead, w13_tiles=tiles)
         out = torch.full_like(x, float("nan"))

@@ -155,8 +155,7 @@ class PrefillConfig:
     # groups cost W13 programs per SM
     w13_scales_ahead: bool = False
     # wgmma: W13's programs over a group's columns: "wide" (64 gate + 64 up columns each, the last
-    # padded where 64 does not divide N), "narrow" (32 + 32, no padding where 32 divides N) or
-    # "tail" (wide programs for every group first, then a narrow one for the N % 64 = 32 left)
+    # padded where 64 does not divide N) or "narrow" (32 + 32, no padding where 32 divides N)
     w13_tiles: str = "wide"
 
     def __post_init__(self) -> None:
@@ -169,8 +168,8 @@ class PrefillConfig:
                                        or self.w13_block_k not in (32, 64)):
             raise ValueError("PrefillConfig: the wgmma kernels take block_rows <= 128, rings of >= 2 stages and "
                              "w13_block_k 32 or 64")
-        if self.w13_tiles not in ("wide", "narrow", "tail"):
-            raise ValueError(f"PrefillConfig.w13_tiles must be 'wide', 'narrow' or 'tail', got {self.w13_tiles!r}")
+        if self.w13_tiles not in ("wide", "narrow"):
+            raise ValueError(f"PrefillConfig.w13_tiles must be 'wide' or 'narrow', got {self.w13_tiles!r}")
         if self.token_blocks not in (1, 2, 4):
             raise ValueError(f"PrefillConfig.token_blocks must be 1, 2 or 4, got {self.token_blocks}")
         for field, least in (("block_rows", 8 if self.kernel == "wgmma" else 16), ("w13_block_n", 16),
@@ -196,17 +195,17 @@ def prefill_candidates() -> Tuple[PrefillConfig, ...]:
     128-row groups, each with six W13 variants (gate columns, reduction rows per step, warps,
     pipeline depth) paired with six W2 variants (columns, warps, depth), and two over 256-row
     groups; the wgmma kernels over 8- to 128-row groups, W13's scales a step ahead or not, W13's
-    programs wide, narrow or with a narrow tail. W13 and W2 are timed apart (sort + W13, then the
+    programs wide or narrow. W13 and W2 are timed apart (sort + W13, then the
     rest), so the pairing costs no coverage."""
     w13 = ((32, 32, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (32, 128, 4, 3))
     w2 = ((128, 8, 3), (256, 8, 3), (64, 4, 3), (128, 4, 3), (256, 4, 3), (64, 8, 2))
     dot = [(rows, a, b) for rows in (32, 64, 128) for a, b in zip(w13, w2)]
     dot += [(256, (64, 32, 8, 3), (128, 8, 3)), (256, (32, 64, 8, 3), (256, 8, 2))]
-    wgmma = [(8, 64, 3, 4, True, "wide"), (8, 64, 3, 4, True, "narrow"), (8, 64, 3, 4, True, "tail"),
+    wgmma = [(8, 64, 3, 4, True, "wide"), (8, 64, 3, 4, True, "narrow"),
              (16, 32, 4, 4, False, "wide"), (16, 64, 3, 4, False, "wide"), (16, 64, 3, 4, True, "wide"),
-             (16, 64, 3, 4, True, "narrow"), (16, 64, 4, 4, True, "narrow"), (16, 64, 3, 4, True, "tail"),
+             (16, 64, 3, 4, True, "narrow"), (16, 64, 4, 4, True, "narrow"),
              (32, 32, 4, 4, False, "wide"), (32, 64, 3, 4, False, "wide"), (32, 64, 3, 4, True, "wide"),
-             (32, 64, 3, 4, False, "narrow"), (32, 64, 3, 4, False, "tail"), (64, 32, 4, 4, False, "wide"),
+             (32, 64, 3, 4, False, "narrow"), (64, 32, 4, 4, False, "wide"),
              (64, 64, 3, 4, False, "wide"), (64, 64, 4, 4, False, "wide"), (64, 64, 4, 4, False, "narrow"),
              (128, 32, 3, 3, False, "wide")]
     return (PrefillConfig(token_blocks=1), PrefillConfig(token_blocks=2)) + tuple(

@@ -512,14 +512,13 @@ def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig) -
     ``prefill_config_run`` returned)."""
     if config.kernel == "wgmma":
         w2_programs = triton.cdiv(K // prefill_wgmma.TILE_COLUMNS, prefill_wgmma.W2_TILES_PER_PROGRAM)
-        tiles = prefill_wgmma.w13_tiles_run(config.w13_tiles, N)
         return (
             Launch("w13_prefill_wgmma", "w13", prefill_wgmma.w13_wgmma_kernel,
-                   (max_groups * prefill_wgmma.w13_programs_per_group(tiles, N),),
+                   (max_groups * prefill_wgmma.w13_programs_per_group(config.w13_tiles, N),),
                    PREFILL_W13_ARGS,
                    _items(dict(TOP_K=top_k, K=K, N=N, G=G, BLOCK_ROWS=config.block_rows, STAGES=config.w13_stages,
                                IS_BF16=is_bf16, SUB=config.w13_block_k // prefill_wgmma.STEP_ROWS,
-                               SCALES_AHEAD=config.w13_scales_ahead, TILES=tiles)),
+                               SCALES_AHEAD=config.w13_scales_ahead, TILES=config.w13_tiles)),
                    _items({"num_warps": 4}), False),
             Launch("w2_prefill_wgmma", "w2", prefill_wgmma.w2_wgmma_kernel, (max_groups * w2_programs,),
                    PREFILL_W2_ARGS,

@@ -45,15 +45,10 @@ TILE_COLUMNS = 128  # A rows per program: two m64 blocks
 W2_TILES_PER_PROGRAM = 4  # W2: 128-column tiles per program (the act rows copied once for them)
 
 
-def w13_tiles_run(tiles: str, N: int) -> str:
-    """The W13 tiling that runs for ``PrefillConfig.w13_tiles`` at intermediate size N: "tail" only
-    where N % 64 leaves 32 columns (else every program is wide anyway)."""
-    return "wide" if tiles == "tail" and N % 64 != 32 else tiles
-
-
 def w13_programs_per_group(tiles: str, N: int) -> int:
-    """W13's programs per sorted group under ``w13_tiles_run``'s tiling."""
-    return {"wide": -(-N // 64), "narrow": N // 32, "tail": N // 64 + 1}[tiles]
+    """W13's programs per sorted group: 64 columns each ("wide") or 32 ("narrow")."""
+    return -(-N // (64 if tiles == "wide" else 32))
+
 
 # fp16: nibble 2b at bits 0-3 | 0x6400 is 1024 + q, nibble 2b + 1 at bits 4-7 | 0x5400 is 64 + q;
 # bf16: each nibble shifted to bits 0-3 | 0x4300 is 128 + q
@@ -328,38 +323,16 @@ if HOPPER_AVAILABLE:
     ):
         """act[position, cols] = silu(x W13_gate) * (x W13_up) for the group's rows; a step is SUB pieces
         of 32 reduction rows (one wait and one barrier for all of them). TILES (``w13_tiles``): "wide",
-        programs of 64 gate and 64 up columns (the last one padded where 64 does not divide N);
-        "narrow", of 32 and 32 (none padded where 32 divides N); "tail", wide programs for every group
-        first, then one narrow program per group for the N % 64 = 32 columns left (the grid is
-        max_groups * (N // 64 + 1): the long programs start first, the short ones fill in behind)."""
+        programs of 64 gate and 64 up columns (the last one padded where 64 does not divide N), or
+        "narrow", of 32 and 32 (none padded where 32 divides N)."""
+        HALF: gl.constexpr = 8 if TILES == "wide" else 4  # gate words per program
+        PER_GROUP: gl.constexpr = (N + 8 * HALF - 1) // (8 * HALF)
         pid = gl.program_id(0)
-        if TILES == "narrow":
-            group_id = pid // (N // 32)
-            if group_id < gl.load(num_groups_ptr):
-                _w13_tile(x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr,
-                          group_id, (pid % (N // 32)) * 4, qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
-                          TOP_K, K, N, G, BLOCK_ROWS, STAGES, IS_BF16, SUB, SCALES_AHEAD, 4)
-        elif TILES == "tail":
-            WIDE: gl.constexpr = N // 64
-            wide_programs = gl.num_programs(0) // (WIDE + 1) * WIDE
-            if pid < wide_programs:
-                group_id = pid // WIDE
-                if group_id < gl.load(num_groups_ptr):
-                    _w13_tile(x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr,
-                              group_id, (pid % WIDE) * 8, qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
-                              TOP_K, K, N, G, BLOCK_ROWS, STAGES, IS_BF16, SUB, SCALES_AHEAD, 8)
-            else:
-                group_id = pid - wide_programs
-                if group_id < gl.load(num_groups_ptr):
-                    _w13_tile(x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr,
-                              group_id, WIDE * 8, qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
-                              TOP_K, K, N, G, BLOCK_ROWS, STAGES, IS_BF16, SUB, SCALES_AHEAD, 4)
-        else:
-            group_id = pid // ((N + 63) // 64)
-            if group_id < gl.load(num_groups_ptr):
-                _w13_tile(x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr,
-                          group_id, (pid % ((N + 63) // 64)) * 8, qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
-                          TOP_K, K, N, G, BLOCK_ROWS, STAGES, IS_BF16, SUB, SCALES_AHEAD, 8)
+        group_id = pid // PER_GROUP
+        if group_id < gl.load(num_groups_ptr):
+            _w13_tile(x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr,
+                      group_id, (pid % PER_GROUP) * HALF, qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
+                      TOP_K, K, N, G, BLOCK_ROWS, STAGES, IS_BF16, SUB, SCALES_AHEAD, HALF)
 
     @gluon.jit
     def w2_wgmma_kernel(
