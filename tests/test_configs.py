@@ -427,7 +427,7 @@ def test_prefill_wgmma_plan_on_hopper_and_what_runs_elsewhere(rows):
     with pytest.raises(ValueError, match="wgmma kernels take"):
         plan.PrefillConfig(kernel="wgmma", block_rows=256)
     with pytest.raises(ValueError, match="wgmma kernels take"):
-        plan.PrefillConfig(kernel="wgmma", w13_block_k=128)
+        plan.PrefillConfig(kernel="wgmma", w13_block_k=256)
 
 
 @pytest.mark.parametrize("N,tiles,per_group", [(160, "wide", 3), (160, "narrow", 5), (128, "wide", 2), (128, "narrow", 4)])

@@ -91,9 +91,12 @@ def test_prefill_matches_reference(layer, M, pattern):
                   w13_tiles="narrow"),
     PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=32, w13_stages=2, w2_stages=2, w13_tiles="narrow"),
     PrefillConfig(kernel="wgmma", block_rows=32, w13_block_k=64, w13_stages=3, w2_stages=4, w13_tiles="narrow"),
+    PrefillConfig(kernel="wgmma", block_rows=8, w13_block_k=128, w13_stages=3, w2_stages=4, w13_scales_ahead=True,
+                  w13_tiles="narrow"),
+    PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=128, w13_stages=2, w2_stages=4, w13_tiles="wide"),
 ], ids=["tb2", "tb4-8warps", "1warp", "dot16", "dot32-n64", "dot64-8warps", "dot128", "wgmma64", "wgmma128",
         "wgmma16", "wgmma32-k64", "wgmma8-ahead", "wgmma16-k64-ahead", "wgmma16-k32-ahead", "wgmma8-narrow",
-        "wgmma16-k32-narrow", "wgmma32-narrow"])
+        "wgmma16-k32-narrow", "wgmma32-narrow", "wgmma8-k128-narrow", "wgmma16-k128-wide"])
 def test_prefill_configs_match_reference(layer, config):
     """Every launch shape the route table may pick, on routing with multi-group experts."""
     weights, cpu_weights = layer
@@ -109,8 +112,9 @@ def test_prefill_configs_match_reference(layer, config):
 def test_wgmma_group_rows_and_scales_ahead_keep_the_bits(layer):
     """A row's output from the wgmma kernels does not depend on how many rows share its group (8,
     16 or 32: each is its own column of wgmma's N, reduced in the same order), on when W13's
-    scales are requested, nor on how W13's programs split a group's columns (each column's sum is
-    the same wgmma chain): bit-identical outputs, on routing whose experts span several groups."""
+    scales are requested, on how W13's programs split a group's columns, nor on how many 32-row
+    pieces share a step (each column's sum is the same wgmma chain): bit-identical outputs, on
+    routing whose experts span several groups."""
     weights, _ = layer
     gen = torch.Generator().manual_seed(11)
     M = 300
@@ -118,9 +122,10 @@ def test_wgmma_group_rows_and_scales_ahead_keep_the_bits(layer):
     ids, tw = routing("skewed", M, gen)
     outs = []
     for rows, ahead, tiles in ((16, False, "wide"), (16, True, "wide"), (8, True, "wide"), (8, False, "wide"),
-                               (32, False, "wide"), (16, True, "narrow"), (8, False, "narrow"), (32, False, "narrow")):
-        config = PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3, w2_stages=4,
-                               w13_scales_ahead=ahead, w13_tiles=tiles)
+                               (32, False, "wide"), (16, True, "narrow"), (8, False, "narrow"), (32, False, "narrow"),
+                               (8, True, "narrow-k128"), (16, False, "wide-k128")):
+        config = PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=128 if tiles.endswith("k128") else 64,
+                               w13_stages=3, w2_stages=4, w13_scales_ahead=ahead, w13_tiles=tiles.split("-")[0])
         out = torch.full_like(x, float("nan"))
         launch_prefill(x, tw, ids, weights, out, config)
         outs.append((rows, ahead, tiles, out))

@@ -257,9 +257,11 @@ sys.path.insert(0, BENCHMARKS)
 import sass_stats
 from moe_grouped_decode.kernels.config import PrefillConfig
 for dtype in ("fp16", "bf16"):
-    for rows, tiles in ((8, "narrow"), (16, "narrow"), (16, "wide"), (64, "wide")):  # 64-row W13 steps
-        cfg = PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3 if rows < 64 else 4,
+    for rows, tiles, k in ((8, "narrow", 64), (16, "narrow", 64), (16, "wide", 64), (64, "wide", 64),
+                           (8, "narrow", 128)):  # 64- and 128-row W13 steps
+        cfg = PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=k, w13_stages=3 if rows < 64 else 4,
                             w2_stages=4, w13_scales_ahead=rows < 64, w13_tiles=tiles)
+        tiles = f"{tiles}-k{k}"
         for name, kernel, _, _ in sass_stats.prefill_kernels(dtype, 2048, cfg):
             launch = name.split()[2]
             if "wgmma" not in launch:
@@ -282,12 +284,14 @@ for dtype in ("fp16", "bf16"):
     stdout = _python_stdout("-c", code)
     kernels = [line.split() for line in stdout.splitlines() if line.startswith("kernel ")]
     assert {(row[1], row[2], row[3]) for row in kernels} == {
-        (dtype, rows, name) for dtype in ("fp16", "bf16") for rows in ("8-narrow", "16-narrow", "16-wide", "64-wide")
+        (dtype, rows, name) for dtype in ("fp16", "bf16")
+        for rows in ("8-narrow-k64", "16-narrow-k64", "16-wide-k64", "64-wide-k64", "8-narrow-k128")
         for name in ("w13_prefill_wgmma", "w2_prefill_wgmma")}, stdout
     for row in kernels:
         assert 0 < int(row[4]) <= 255 and int(row[5]) == 0 and int(row[6]) > 0 and row[7] == "True", row
     loops = [line.split() for line in stdout.splitlines() if line.startswith("loop ")]
-    assert len(loops) == 8, stdout
+    assert len(loops) == 10, stdout
     for row in loops:
-        # no shared store; per 64-row step four k16 for each m64 block: two (wide) or one (narrow)
-        assert row[3] == "0" and row[4] == ("8" if row[2].endswith("wide") else "4"), row
+        # no shared store; per 32 step rows two k16 for each m64 block: two (wide) or one (narrow)
+        blocks = 2 if "wide" in row[2] else 1
+        assert row[3] == "0" and int(row[4]) == blocks * int(row[2].split("-k")[1]) // 16, row

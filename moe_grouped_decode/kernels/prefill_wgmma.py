@@ -261,44 +261,66 @@ if HOPPER_AVAILABLE:
         expert_scales = scales_ptr + expert * (K // G * 2 * N)
         expert_zeros = qzeros_ptr + expert * (K // G * PACKED) + word
         acc = gl.zeros([ROWS, BLOCK_ROWS], gl.float32, layout=mma)
-        # the step's scales and zero words: requested a step ahead (SCALES_AHEAD: their latency then
-        # overlaps a whole step, for 11-15 more registers) or at the step's start, before its wait
-        if SCALES_AHEAD:
-            s_lo, s_hi, zw = _piece_scales(0, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N, G, PACKED)
-            if SUB == 2:
-                s_lo1, s_hi1, zw1 = _piece_scales(32, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N, G, PACKED)
-        for i in range(STEPS):
+        if SUB <= 2:
+            # the step's scales and zero words: requested a step ahead (SCALES_AHEAD: their latency then
+            # overlaps a whole step, for 11-15 more registers) or at the step's start, before its wait
             if SCALES_AHEAD:
-                a_lo, a_hi, a_zw = s_lo, s_hi, zw
-                k_next = gl.minimum(i + 1, STEPS - 1) * SUB * 32  # the last step requests its own again
-                s_lo, s_hi, zw = _piece_scales(k_next, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N, G,
-                                               PACKED)
+                s_lo, s_hi, zw = _piece_scales(0, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N, G, PACKED)
                 if SUB == 2:
-                    a_lo1, a_hi1, a_zw1 = s_lo1, s_hi1, zw1
-                    s_lo1, s_hi1, zw1 = _piece_scales(k_next + 32, expert_scales, expert_zeros, col_lo, col_hi, ok,
-                                                      2 * N, G, PACKED)
-            else:
-                a_lo, a_hi, a_zw = _piece_scales(i * SUB * 32, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N,
-                                                 G, PACKED)
+                    s_lo1, s_hi1, zw1 = _piece_scales(32, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N, G, PACKED)
+            for i in range(STEPS):
+                if SCALES_AHEAD:
+                    a_lo, a_hi, a_zw = s_lo, s_hi, zw
+                    k_next = gl.minimum(i + 1, STEPS - 1) * SUB * 32  # the last step requests its own again
+                    s_lo, s_hi, zw = _piece_scales(k_next, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N, G,
+                                                   PACKED)
+                    if SUB == 2:
+                        a_lo1, a_hi1, a_zw1 = s_lo1, s_hi1, zw1
+                        s_lo1, s_hi1, zw1 = _piece_scales(k_next + 32, expert_scales, expert_zeros, col_lo, col_hi, ok,
+                                                          2 * N, G, PACKED)
+                else:
+                    a_lo, a_hi, a_zw = _piece_scales(i * SUB * 32, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N,
+                                                     G, PACKED)
+                    if SUB == 2:
+                        a_lo1, a_hi1, a_zw1 = _piece_scales(i * SUB * 32 + 32, expert_scales, expert_zeros, col_lo, col_hi,
+                                                            ok, 2 * N, G, PACKED)
+                z_lo, z_hi = _zero_pairs(a_zw, zero_pick, IS_BF16)
                 if SUB == 2:
-                    a_lo1, a_hi1, a_zw1 = _piece_scales(i * SUB * 32 + 32, expert_scales, expert_zeros, col_lo, col_hi,
-                                                        ok, 2 * N, G, PACKED)
-            z_lo, z_hi = _zero_pairs(a_zw, zero_pick, IS_BF16)
-            if SUB == 2:
-                z_lo1, z_hi1 = _zero_pairs(a_zw1, zero_pick, IS_BF16)
-            _wait_for_step(STAGES)
-            if i + STAGES - 1 < STEPS:  # into the stage of step i - 1, whose wgmma every thread waited for
-                _w13_copy_step(i + STAGES - 1, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok, PACKED,
-                               STAGES, SUB)
-            async_copy.commit_group()
-            stage = (i % STAGES) * SUB
-            a = _dequantize(ring_words.index(stage).load(_WORDS2), z_lo, z_hi, a_lo, a_hi, pick, IS_BF16, a_layout)
-            acc = warpgroup_mma(a, ring_rows.index(stage).permute((1, 0)), acc, is_async=True)
-            if SUB == 2:
-                a1 = _dequantize(ring_words.index(stage + 1).load(_WORDS2), z_lo1, z_hi1, a_lo1, a_hi1, pick,
-                                 IS_BF16, a_layout)
-                acc = warpgroup_mma(a1, ring_rows.index(stage + 1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
+                    z_lo1, z_hi1 = _zero_pairs(a_zw1, zero_pick, IS_BF16)
+                _wait_for_step(STAGES)
+                if i + STAGES - 1 < STEPS:  # into the stage of step i - 1, whose wgmma every thread waited for
+                    _w13_copy_step(i + STAGES - 1, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok, PACKED,
+                                   STAGES, SUB)
+                async_copy.commit_group()
+                stage = (i % STAGES) * SUB
+                a = _dequantize(ring_words.index(stage).load(_WORDS2), z_lo, z_hi, a_lo, a_hi, pick, IS_BF16, a_layout)
+                acc = warpgroup_mma(a, ring_rows.index(stage).permute((1, 0)), acc, is_async=True)
+                if SUB == 2:
+                    a1 = _dequantize(ring_words.index(stage + 1).load(_WORDS2), z_lo1, z_hi1, a_lo1, a_hi1, pick,
+                                     IS_BF16, a_layout)
+                    acc = warpgroup_mma(a1, ring_rows.index(stage + 1).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+        else:
+            # steps of SUB >= 4 pieces (one wait and barrier for all): each piece's scales and zero
+            # words requested a piece ahead, across the step's end too
+            n_lo, n_hi, n_zw = _piece_scales(0, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N, G, PACKED)
+            for i in range(STEPS):
+                _wait_for_step(STAGES)
+                if i + STAGES - 1 < STEPS:  # into the stage of step i - 1, whose wgmma every thread waited for
+                    _w13_copy_step(i + STAGES - 1, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok,
+                                   PACKED, STAGES, SUB)
+                async_copy.commit_group()
+                stage = (i % STAGES) * SUB
+                for u in gl.static_range(SUB):
+                    a_lo, a_hi, a_zw = n_lo, n_hi, n_zw
+                    k_next = gl.minimum(i * SUB + u + 1, STEPS * SUB - 1) * 32  # the last piece requests its own
+                    n_lo, n_hi, n_zw = _piece_scales(k_next, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N,
+                                                     G, PACKED)
+                    z_lo, z_hi = _zero_pairs(a_zw, zero_pick, IS_BF16)
+                    a = _dequantize(ring_words.index(stage + u).load(_WORDS2), z_lo, z_hi, a_lo, a_hi, pick, IS_BF16,
+                                    a_layout)
+                    acc = warpgroup_mma(a, ring_rows.index(stage + u).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)
 
         out = gl.permute(gl.reshape(_in_column_order(acc, BLOCK_ROWS), [2, 8 * HALF, BLOCK_ROWS]), [1, 2, 0])
