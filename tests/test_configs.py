@@ -427,7 +427,12 @@ def test_prefill_wgmma_plan_on_hopper_and_what_runs_elsewhere(rows):
     with pytest.raises(ValueError, match="wgmma kernels take"):
         plan.PrefillConfig(kernel="wgmma", block_rows=256)
     with pytest.raises(ValueError, match="wgmma kernels take"):
-        plan.PrefillConfig(kernel="wgmma", w13_block_k=256)
+        plan.PrefillConfig(kernel="wgmma", w13_block_k=512)
+    # W13 steps longer than the hidden size divides (K = 2688 = 21 x 128): 64-row steps, none dropped
+    long_steps = plan.PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=256)
+    if plan.gluon_runs((9, 0)):
+        assert plan.prefill_config_run(long_steps, (9, 0), 2688, 160, 32).w13_block_k == 64
+        assert plan.prefill_config_run(long_steps, (9, 0), 2560, 160, 32).w13_block_k == 256
 
 
 @pytest.mark.parametrize("N,tiles,per_group", [(160, "wide", 3), (160, "narrow", 5), (128, "wide", 2), (128, "narrow", 4)])

@@ -146,7 +146,7 @@ class PrefillConfig:
     kernel: str = "mma"  # "mma", "dot" or "wgmma"
     block_rows: int = 16  # dot, wgmma: rows per group (the tl.dot M, a power of two >= 16; wgmma's N, 8 to 128)
     w13_block_n: int = 32  # dot: gate columns per W13 program (and as many up columns)
-    w13_block_k: int = 32  # dot: W13's reduction rows per step (a divisor or a multiple of G); wgmma: 32, 64 or 128
+    w13_block_k: int = 32  # dot: W13's reduction rows per step (a divisor or a multiple of G); wgmma: 32, 64, 128 or 256
     w2_block_n: int = 128  # dot: output columns per W2 program
     w13_stages: int = 3  # dot: software-pipeline depth of W13's steps (w13_block_k rows each); wgmma: ring depth
     w2_stages: int = 3  # dot, wgmma: the same for W2
@@ -165,9 +165,9 @@ class PrefillConfig:
         if self.kernel not in ("mma", "dot", "wgmma"):
             raise ValueError(f"PrefillConfig.kernel must be 'mma', 'dot' or 'wgmma', got {self.kernel!r}")
         if self.kernel == "wgmma" and (self.block_rows > 128 or self.w13_stages < 2 or self.w2_stages < 2
-                                       or self.w13_block_k not in (32, 64, 128)):
+                                       or self.w13_block_k not in (32, 64, 128, 256)):
             raise ValueError("PrefillConfig: the wgmma kernels take block_rows <= 128, rings of >= 2 stages and "
-                             "w13_block_k 32, 64 or 128")
+                             "w13_block_k 32, 64, 128 or 256")
         if self.w13_tiles not in ("wide", "narrow"):
             raise ValueError(f"PrefillConfig.w13_tiles must be 'wide' or 'narrow', got {self.w13_tiles!r}")
         if self.token_blocks not in (1, 2, 4):
@@ -203,7 +203,7 @@ def prefill_candidates() -> Tuple[PrefillConfig, ...]:
     dot += [(256, (64, 32, 8, 3), (128, 8, 3)), (256, (32, 64, 8, 3), (256, 8, 2))]
     wgmma = [(8, 64, 3, 4, True, "wide"), (8, 64, 3, 4, True, "narrow"),
              (16, 32, 4, 4, False, "wide"), (16, 64, 3, 4, False, "wide"), (16, 64, 3, 4, True, "wide"),
-             (8, 128, 3, 4, True, "narrow"), (8, 128, 2, 4, True, "narrow"),
+             (8, 128, 3, 4, True, "narrow"), (8, 128, 2, 4, True, "narrow"), (8, 256, 2, 4, True, "narrow"),
              (16, 64, 3, 4, True, "narrow"), (16, 64, 4, 4, True, "narrow"),
              (16, 128, 3, 4, True, "narrow"), (32, 128, 3, 4, False, "narrow"),
              (32, 32, 4, 4, False, "wide"), (32, 64, 3, 4, False, "wide"), (32, 64, 3, 4, True, "wide"),
