@@ -10,12 +10,14 @@ the same k experts: groups of many rows per expert) and skewed (half of each tok
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from moe_grouped_decode.awq import synthetic_moe_weights
 from moe_grouped_decode.contract import QWEN38_TP4
-from moe_grouped_decode.kernels.config import PrefillConfig
+from moe_grouped_decode.kernels.config import PrefillConfig, prefill_config
 from moe_grouped_decode.ops import error_stats, launch_prefill, prefill_plan_for, reference_moe
 
 pytestmark = [
@@ -186,6 +188,40 @@ def test_bit_identical_reruns(layer):
         first = prefill_op(x, tw, ids, *weights.op_args()).clone()
         for _ in range(3):
             assert torch.equal(prefill_op(x, tw, ids, *weights.op_args()).view(torch.int16), first.view(torch.int16))
+
+
+@pytest.mark.parametrize("M", [40, 160, 256, 1000])
+def test_early_launches_keep_the_bits(layer, M):
+    """The table's config with its launches starting early (PDL: each waits for the one before
+    only before it reads its output; W13 and W2 request their first weights before that) gives
+    the bits of the same launches each started after the last finished: calls back to back on
+    one scratch, fresh routing each, no synchronization between them (a launch that read a
+    predecessor's output, or overwrote what it still read, before it finished would differ),
+    one of them with no valid id (no groups: the call's output is zero)."""
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(31 + M)
+    dtype_name = "bf16" if weights.dtype == torch.bfloat16 else "fp16"
+    config = prefill_config(QWEN38_TP4.shape, torch.cuda.get_device_name(), dtype_name, M)
+    calls = []
+    for pattern in ("random", "skewed", "none", "single_hot", "random"):
+        ids, tw = routing("random" if pattern == "none" else pattern, M, gen)
+        if pattern == "none":  # no groups at all (every id -1, as expert parallelism's other ranks)
+            ids.fill_(-1)
+        calls.append((torch.randn(M, K, generator=gen).to(weights.dtype).cuda(), ids, tw))
+    outs = {}
+    for pdl in (True, False):
+        run = dataclasses.replace(config, pdl=pdl)
+        scratch = torch.empty(prefill_plan_for(calls[0][0], calls[0][1], weights, run).scratch_numel,
+                              dtype=torch.int32, device="cuda")
+        outs[pdl] = [torch.full_like(x, float("nan")) for x, _, _ in calls]
+        for (x, ids, tw), out in zip(calls, outs[pdl]):
+            launch_prefill(x, tw, ids, weights, out, run, scratch=scratch)
+        torch.cuda.synchronize()
+    for i, (early, waiting) in enumerate(zip(outs[True], outs[False])):
+        assert torch.equal(early, waiting), f"call {i}: early launches changed the bits ({config})"
+    x, ids, tw = calls[1]
+    check(f"prefill early launches {weights.dtype} M={M}", outs[True][1], x, tw, ids, cpu_weights)
+    assert not outs[True][2].any(), "a call whose ids are all -1 must give zeros"
 
 
 # vLLM's default CUDA-graph capture sizes (1, 2, 4, then multiples of 8) up to 512

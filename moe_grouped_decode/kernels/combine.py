@@ -45,9 +45,11 @@ def combine_rows(row_outputs, topk_weights, out, use_pdl: bool = False) -> None:
 
 @triton.jit(do_not_specialize=["stride_om"])
 def combine_valid_kernel(row_out_ptr, topk_weights_ptr, topk_ids_ptr, out_ptr, stride_om,
-                         TOP_K: tl.constexpr, K: tl.constexpr, E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         TOP_K: tl.constexpr, K: tl.constexpr, E: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     """combine_tile for the prefill route: a routed id outside [0, E) has no row output (the sort
     leaves it out), so it contributes nothing to its token. Row outputs in any float dtype."""
+    wait_for_previous_launch(USE_PDL)  # the row outputs come from the launch before
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < K

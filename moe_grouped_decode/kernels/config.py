@@ -157,6 +157,10 @@ class PrefillConfig:
     # wgmma: W13's programs over a group's columns: "wide" (64 gate + 64 up columns each, the last
     # padded where 64 does not divide N) or "narrow" (32 + 32, no padding where 32 divides N)
     w13_tiles: str = "wide"
+    # programmatic dependent launch (Hopper and newer) through the sort, the wgmma kernels and the
+    # combine: each launch starts while the one before finishes; W13 and W2 request their first
+    # weights before they wait for it
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         for field in ("w13_warps", "w2_warps", "w13_stages", "w2_stages"):

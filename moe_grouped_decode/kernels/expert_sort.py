@@ -16,6 +16,10 @@ A routed id outside [0, E) is no row of any expert: it is left out of every grou
 combine skips it, so it contributes nothing to its token). The row counts are not specialized
 on and the plan pads its tiles by the next power of two of M, so one warmup call per power of
 two compiles every binary any M needs (no compile while serving).
+
+With USE_PDL each launch may start while the one before it still runs (pdl.py): it waits for
+it before its first load, then lets the next start. The next one therefore starts only once
+every earlier launch has finished, so the prefill W13 may read the groups before its own wait.
 """
 
 from __future__ import annotations
@@ -23,8 +27,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import let_next_launch_start, wait_for_previous_launch
+
 BLOCK_ROWS = 128  # rows per [ranks] / [scatter] program: the rank is a BLOCK_ROWS^2 comparison
 EXPERT_BLOCK = 16  # experts per [prefix] program
+
+
+@triton.jit
+def _after_previous_launch(USE_PDL: tl.constexpr):
+    """Wait for the previous launch, then let the next one start: after the wait, so that the next
+    launch starting means this one's predecessor has finished (the prefill W13 relies on it)."""
+    wait_for_previous_launch(USE_PDL)
+    let_next_launch_start(USE_PDL)
 
 
 @triton.jit
@@ -37,7 +51,9 @@ def _valid_experts(ids_ptr, r, rows, E: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rows"])
 def ranks_kernel(ids_ptr, rows, ranks_ptr, block_counts_ptr, id_flag_ptr,
-                 E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, CHECK_IDS: tl.constexpr = False):
+                 E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, CHECK_IDS: tl.constexpr = False,
+                 USE_PDL: tl.constexpr = False):
+    _after_previous_launch(USE_PDL)
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     r = b * BLOCK + i
@@ -52,7 +68,8 @@ def ranks_kernel(ids_ptr, rows, ranks_ptr, block_counts_ptr, id_flag_ptr,
 
 @triton.jit(do_not_specialize=["num_blocks"])
 def prefix_kernel(block_counts_ptr, num_blocks, expert_totals_ptr,
-                  E_PAD: tl.constexpr, NB_PAD: tl.constexpr, EXPERTS: tl.constexpr):
+                  E_PAD: tl.constexpr, NB_PAD: tl.constexpr, EXPERTS: tl.constexpr, USE_PDL: tl.constexpr = False):
+    _after_previous_launch(USE_PDL)
     e = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
     b = tl.arange(0, NB_PAD)
     at = block_counts_ptr + b[:, None] * E_PAD + e[None, :]
@@ -70,7 +87,8 @@ def _max(a, b):
 @triton.jit(do_not_specialize=["max_groups"])
 def groups_kernel(expert_totals_ptr, expert_offsets_ptr, group_first_ptr, group_expert_ptr, group_start_ptr,
                   group_count_ptr, num_groups_ptr, max_groups,
-                  E_PAD: tl.constexpr, G_PAD: tl.constexpr, T: tl.constexpr):
+                  E_PAD: tl.constexpr, G_PAD: tl.constexpr, T: tl.constexpr, USE_PDL: tl.constexpr = False):
+    _after_previous_launch(USE_PDL)
     e = tl.arange(0, E_PAD)
     totals = tl.load(expert_totals_ptr + e)
     groups = (totals + T - 1) // T
@@ -98,7 +116,8 @@ def groups_kernel(expert_totals_ptr, expert_offsets_ptr, group_first_ptr, group_
 
 @triton.jit(do_not_specialize=["rows"])
 def scatter_kernel(ids_ptr, rows, ranks_ptr, block_counts_ptr, expert_offsets_ptr, sorted_rows_ptr,
-                   E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                   E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    _after_previous_launch(USE_PDL)
     b = tl.program_id(0)
     r = b * BLOCK + tl.arange(0, BLOCK)
     expert, valid = _valid_experts(ids_ptr, r, rows, E)

@@ -230,7 +230,7 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
     sort_regions, sort_numel, groups = (), 0, 0
     if config.w13_over_groups:
         sort_launches, sort_regions, sort_numel, groups = _sort_stage(M, top_k, E, GROUP_ROWS * config.group_blocks,
-                                                                      check_ids)
+                                                                      check_ids, use_pdl)
         if "sort" in stages:
             launches.extend(sort_launches)
         num_arrivals = arrivals_pad = 0
@@ -265,7 +265,7 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
         if "combine" in stages:
             launches.append(Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
                                    ("row_outputs", "topk_weights", "topk_ids", "out", "out_stride"),
-                                   _items(dict(TOP_K=top_k, K=K, E=E, BLOCK_K=COMBINE_BLOCK)),
+                                   _items(dict(TOP_K=top_k, K=K, E=E, BLOCK_K=COMBINE_BLOCK, USE_PDL=False)),
                                    _items({"num_warps": 2}), False))
         stages = ()  # nothing more
     if "w2" in stages:
@@ -409,10 +409,11 @@ def _layout(regions_spec, offset: int = 0):
 GROUP_ROWS = 8
 
 
-def _sort_stage(M: int, top_k: int, E: int, group_rows: int, check_ids: bool = False):
+def _sort_stage(M: int, top_k: int, E: int, group_rows: int, check_ids: bool = False, use_pdl: bool = False):
     """The sort's four launches (expert_sort.py) for M tokens into groups of ``group_rows``, with
     their scratch regions: (launches, regions, int32 elements, max groups); ``check_ids``: its
-    first launch flags ids outside [0, E) (the debug mode)."""
+    first launch flags ids outside [0, E) (the debug mode); ``use_pdl``: each launched to start
+    while the one before finishes."""
     rows = M * top_k
     block = expert_sort.BLOCK_ROWS
     num_blocks = triton.cdiv(rows, block)
@@ -428,22 +429,25 @@ def _sort_stage(M: int, top_k: int, E: int, group_rows: int, check_ids: bool = F
         ("group_start", (max_groups,), False), ("group_count", (max_groups,), False), ("num_groups", (1,), False),
         ("sorted_rows", (rows,), False),
     ))
+    pdl = dict(USE_PDL=use_pdl)
+    options = {"launch_pdl": True} if use_pdl else {}
     launches = (
         Launch("sort_ranks", "sort", expert_sort.ranks_kernel, (num_blocks,),
                ("topk_ids", "rows", "ranks", "block_counts", "id_flag"),
-               _items(dict(E=E, E_PAD=e_pad, BLOCK=block, CHECK_IDS=check_ids)), _items({"num_warps": 4}), False),
+               _items(dict(E=E, E_PAD=e_pad, BLOCK=block, CHECK_IDS=check_ids, **pdl)),
+               _items({"num_warps": 4, **options}), False),
         Launch("sort_prefix", "sort", expert_sort.prefix_kernel, (e_pad // expert_sort.EXPERT_BLOCK,),
                ("block_counts", "num_blocks", "expert_totals"),
-               _items(dict(E_PAD=e_pad, NB_PAD=nb_pad, EXPERTS=expert_sort.EXPERT_BLOCK)),
-               _items({"num_warps": 4}), False),
+               _items(dict(E_PAD=e_pad, NB_PAD=nb_pad, EXPERTS=expert_sort.EXPERT_BLOCK, **pdl)),
+               _items({"num_warps": 4, **options}), False),
         Launch("sort_groups", "sort", expert_sort.groups_kernel, (1,),
                ("expert_totals", "expert_offsets", "group_first", "group_expert", "group_start", "group_count",
                 "num_groups", "max_groups"),
-               _items(dict(E_PAD=e_pad, G_PAD=g_pad, T=group_rows)), _items({"num_warps": 16}),
+               _items(dict(E_PAD=e_pad, G_PAD=g_pad, T=group_rows, **pdl)), _items({"num_warps": 16, **options}),
                False),
         Launch("sort_scatter", "sort", expert_sort.scatter_kernel, (num_blocks,),
                ("topk_ids", "rows", "ranks", "block_counts", "expert_offsets", "sorted_rows"),
-               _items(dict(E=E, E_PAD=e_pad, BLOCK=block)), _items({"num_warps": 4}), False),
+               _items(dict(E=E, E_PAD=e_pad, BLOCK=block, **pdl)), _items({"num_warps": 4, **options}), False),
     )
     return launches, regions, numel, max_groups
 
@@ -465,15 +469,21 @@ def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig
     rows = M * top_k
     is_bf16 = dtype == torch.bfloat16
     config = prefill_config_run(config, capability, K, N, G)
-    sort_launches, sort_regions, sort_numel, max_groups = _sort_stage(M, top_k, E, config.group_rows, check_ids)
+    use_pdl = config.pdl and pdl_supported(capability)
+    sort_launches, sort_regions, sort_numel, max_groups = _sort_stage(M, top_k, E, config.group_rows, check_ids,
+                                                                      use_pdl)
     gemm_regions, offset = _layout((("act16", (rows, N), True), ("row_out16", (rows, K), True)), sort_numel)
     regions = sort_regions + gemm_regions
+    gemms = _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config, use_pdl)
+    # the combine may start early only behind a launch that waits for its own predecessor
+    combine_pdl = use_pdl and config.kernel == "wgmma"
     launches = (
         *sort_launches,
-        *_prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config),
+        *gemms,
         Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
                ("row_out16", "topk_weights", "topk_ids", "out", "out_stride"),
-               _items(dict(TOP_K=top_k, K=K, E=E, BLOCK_K=COMBINE_BLOCK)), _items({"num_warps": 2}), False),
+               _items(dict(TOP_K=top_k, K=K, E=E, BLOCK_K=COMBINE_BLOCK, USE_PDL=combine_pdl)),
+               _items({"num_warps": 2, **({"launch_pdl": True} if combine_pdl else {})}), False),
     )
     return PrefillPlan(M, top_k, K, N, G, dtype, E, config, launches, tuple(regions), offset, check_ids)
 
@@ -509,10 +519,14 @@ def prefill_config_run(config: PrefillConfig, capability: Tuple[int, int], K: in
                                w2_block_n=128, w2_warps=4, w2_stages=3)
 
 
-def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig) -> Tuple[Launch, Launch]:
+def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig,
+                   use_pdl: bool = False) -> Tuple[Launch, Launch]:
     """The prefill route's W13 + SiLU and W2 launches of ``config.kernel``'s family (a config
-    ``prefill_config_run`` returned)."""
+    ``prefill_config_run`` returned); ``use_pdl``: the wgmma ones launched to start early (the
+    others wait for the launch before them to finish)."""
     if config.kernel == "wgmma":
+        pdl = dict(USE_PDL=use_pdl)
+        options = {"num_warps": 4, **({"launch_pdl": True} if use_pdl else {})}
         w2_programs = triton.cdiv(K // prefill_wgmma.TILE_COLUMNS, prefill_wgmma.W2_TILES_PER_PROGRAM)
         return (
             Launch("w13_prefill_wgmma", "w13", prefill_wgmma.w13_wgmma_kernel,
@@ -520,14 +534,14 @@ def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig) -
                    PREFILL_W13_ARGS,
                    _items(dict(TOP_K=top_k, K=K, N=N, G=G, BLOCK_ROWS=config.block_rows, STAGES=config.w13_stages,
                                IS_BF16=is_bf16, SUB=config.w13_block_k // prefill_wgmma.STEP_ROWS,
-                               SCALES_AHEAD=config.w13_scales_ahead, TILES=config.w13_tiles)),
-                   _items({"num_warps": 4}), False),
+                               SCALES_AHEAD=config.w13_scales_ahead, TILES=config.w13_tiles, **pdl)),
+                   _items(options), False),
             Launch("w2_prefill_wgmma", "w2", prefill_wgmma.w2_wgmma_kernel, (max_groups * w2_programs,),
                    PREFILL_W2_ARGS,
                    _items(dict(K=K, N=N, G=G, BLOCK_ROWS=config.block_rows,
                                TILES_PER_PROGRAM=prefill_wgmma.W2_TILES_PER_PROGRAM, STAGES=config.w2_stages,
-                               IS_BF16=is_bf16)),
-                   _items({"num_warps": 4}), False),
+                               IS_BF16=is_bf16, **pdl)),
+                   _items(options), False),
         )
     if config.kernel == "dot":
         block_k = config.w13_block_k

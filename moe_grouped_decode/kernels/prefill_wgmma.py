@@ -99,7 +99,7 @@ if HOPPER_AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from .gluon_helpers import async_copy
+    from .gluon_helpers import async_copy, let_next_launch_start, wait_for_previous_launch
 
     # [32 (k), 16 (word of the tile), 4 (byte b)]: k = 2 t + {0, 1} (+8, +16, +24), word = 8 r + 2 w + gh,
     # lanes (t, b, gh), warps w: the threads' share of A before its rows are spelled out
@@ -117,8 +117,10 @@ if HOPPER_AVAILABLE:
     @gluon.jit
     def _group_of(group_id, group_expert_ptr, group_start_ptr, group_count_ptr):
         """A sorted group's expert, its first sorted position and its row count (expert_sort.py)."""
-        expert = gl.load(group_expert_ptr + group_id).to(gl.int64)
-        return expert, gl.load(group_start_ptr + group_id), gl.load(group_count_ptr + group_id)
+        # read before the wait for the previous launch (PDL): from L2, never an L1 line of an earlier call
+        expert = gl.load(group_expert_ptr + group_id, cache_modifier=".cg").to(gl.int64)
+        return (expert, gl.load(group_start_ptr + group_id, cache_modifier=".cg"),
+                gl.load(group_count_ptr + group_id, cache_modifier=".cg"))
 
     @gluon.jit
     def _selectors():
@@ -205,9 +207,26 @@ if HOPPER_AVAILABLE:
         return s_lo, s_hi, gl.load(expert_zeros + group * PACKED, mask=ok, other=0)
 
     @gluon.jit
+    def _w13_copy_words(step, ring_words, words_src, word_ok, PACKED: gl.constexpr, STAGES: gl.constexpr,
+                        SUB: gl.constexpr):
+        """Step ``step``'s words (SUB pieces of 32 reduction rows) into its ring stage."""
+        for u in gl.static_range(SUB):
+            async_copy.async_copy_global_to_shared(ring_words.index((step % STAGES) * SUB + u),
+                                                   words_src + (step * SUB + u) * 32 * PACKED, mask=word_ok)
+
+    @gluon.jit
+    def _w13_copy_rows(step, ring_rows, rows_src, row_ok, STAGES: gl.constexpr, SUB: gl.constexpr):
+        """Step ``step``'s token rows into its ring stage."""
+        for u in gl.static_range(SUB):
+            async_copy.async_copy_global_to_shared(ring_rows.index((step % STAGES) * SUB + u),
+                                                   rows_src + (step * SUB + u) * 32, mask=row_ok)
+
+    @gluon.jit
     def _w13_copy_step(step, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok, PACKED: gl.constexpr,
                        STAGES: gl.constexpr, SUB: gl.constexpr):
-        """Step ``step``'s words and token rows (SUB pieces of 32 reduction rows) into its ring stage."""
+        """Step ``step``'s words and token rows into its ring stage, a piece's words beside its rows:
+        the compiler puts a barrier between two copies into one ring, so alternating the rings
+        takes SUB - 1 barriers, not 2 (SUB - 1)."""
         for u in gl.static_range(SUB):
             k0 = (step * SUB + u) * 32
             async_copy.async_copy_global_to_shared(ring_words.index((step % STAGES) * SUB + u),
@@ -216,12 +235,20 @@ if HOPPER_AVAILABLE:
                                                    mask=row_ok)
 
     @gluon.jit
+    def _w2_copy_piece(j, ring_words, words_src, first_tile, copy_ok, PACKED: gl.constexpr, TILES: gl.constexpr,
+                       SUB: gl.constexpr, STAGES: gl.constexpr):
+        """W2 piece j's words (tile j // SUB, reduction rows 32 (j % SUB) ..) into its ring stage."""
+        async_copy.async_copy_global_to_shared(ring_words.index(j % STAGES),
+                                               words_src + (j % SUB) * 32 * PACKED + (j // SUB) * 16,
+                                               mask=(first_tile + j // SUB < TILES) & copy_ok)
+
+    @gluon.jit
     def _w13_tile(
         x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, group_id, word_base,
         qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
         TOP_K: gl.constexpr, K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, BLOCK_ROWS: gl.constexpr,
         STAGES: gl.constexpr, IS_BF16: gl.constexpr, SUB: gl.constexpr, SCALES_AHEAD: gl.constexpr,
-        HALF: gl.constexpr,
+        HALF: gl.constexpr, USE_PDL: gl.constexpr,
     ):
         """One program's tile: the HALF gate words from ``word_base`` (8 HALF columns) and the same up
         words, as A's 16 HALF rows (HALF = 8: two m64 blocks, gate then up; HALF = 4: one, gate in
@@ -241,18 +268,24 @@ if HOPPER_AVAILABLE:
         cw = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, copy_words))[None, :]
         word_ok = (word_base + cw % HALF < N // 8) & (ck >= 0)
         words_src = qweight_ptr + expert * (K * PACKED) + ck * PACKED + word_base + cw % HALF + (cw // HALF) * (N // 8)
+        ring_words = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, 32, 2 * HALF], ring_layout)
+        ring_rows = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES * SUB, BLOCK_ROWS, 32], _RING_ROWS)
+        # the first steps' words need only the group's expert, which the sort's launch before the
+        # scatter wrote: requested before the wait for the scatter (PDL), their latency overlaps it
+        for s in gl.static_range(STAGES - 1):
+            if s < STEPS:  # a K of fewer steps than the ring holds reads nothing past the expert
+                _w13_copy_words(s, ring_words, words_src, word_ok, PACKED, STAGES, SUB)
+        wait_for_previous_launch(USE_PDL)
+        let_next_launch_start(USE_PDL)  # after the wait: W2 reads the sort's groups before its own
         # a step's token rows: x rows in the sort's order
         rr = gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(1, _COPY_ROWS))[:, None]
         rk = gl.arange(0, 32, layout=gl.SliceLayout(0, _COPY_ROWS))[None, :]
         row_ok = (rr < count) & (rk >= 0)
         token = (gl.load(sorted_rows_ptr + start + rr, mask=rr < count, other=0) // TOP_K).to(gl.int64)
         rows_src = x_ptr + token * stride_xm + rk
-
-        ring_words = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, 32, 2 * HALF], ring_layout)
-        ring_rows = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES * SUB, BLOCK_ROWS, 32], _RING_ROWS)
-        for s in gl.static_range(STAGES - 1):
-            if s < STEPS:  # a K of fewer steps than the ring holds reads nothing past the expert
-                _w13_copy_step(s, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok, PACKED, STAGES, SUB)
+        for s in gl.static_range(STAGES - 1):  # the first commit group holds every word copied above
+            if s < STEPS:
+                _w13_copy_rows(s, ring_rows, rows_src, row_ok, STAGES, SUB)
             async_copy.commit_group()
 
         pick, zero_pick = _selectors()
@@ -341,30 +374,36 @@ if HOPPER_AVAILABLE:
         qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
         TOP_K: gl.constexpr, K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, BLOCK_ROWS: gl.constexpr,
         STAGES: gl.constexpr, IS_BF16: gl.constexpr, SUB: gl.constexpr = 1, SCALES_AHEAD: gl.constexpr = False,
-        TILES: gl.constexpr = "wide",
+        TILES: gl.constexpr = "wide", USE_PDL: gl.constexpr = False,
     ):
         """act[position, cols] = silu(x W13_gate) * (x W13_up) for the group's rows; a step is SUB pieces
         of 32 reduction rows (one wait and one barrier for all of them). TILES (``w13_tiles``): "wide",
         programs of 64 gate and 64 up columns (the last one padded where 64 does not divide N), or
-        "narrow", of 32 and 32 (none padded where 32 divides N)."""
+        "narrow", of 32 and 32 (none padded where 32 divides N). USE_PDL: launched to start while the
+        sort's scatter runs; it reads the groups before waiting for it (the sort's launches each
+        wait before letting the next start, so the groups are complete once this one runs)."""
         HALF: gl.constexpr = 8 if TILES == "wide" else 4  # gate words per program
         PER_GROUP: gl.constexpr = (N + 8 * HALF - 1) // (8 * HALF)
         pid = gl.program_id(0)
         group_id = pid // PER_GROUP
-        if group_id < gl.load(num_groups_ptr):
+        if group_id < gl.load(num_groups_ptr, cache_modifier=".cg"):
             _w13_tile(x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr,
                       group_id, (pid % PER_GROUP) * HALF, qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
-                      TOP_K, K, N, G, BLOCK_ROWS, STAGES, IS_BF16, SUB, SCALES_AHEAD, HALF)
+                      TOP_K, K, N, G, BLOCK_ROWS, STAGES, IS_BF16, SUB, SCALES_AHEAD, HALF, USE_PDL)
+        elif pid == 0:  # no groups (every id outside [0, E)): one program still waits, so W13 ends after the sort
+            wait_for_previous_launch(USE_PDL)
 
     @gluon.jit
     def w2_wgmma_kernel(
         act_ptr, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, num_groups_ptr,
         qweight_ptr, scales_ptr, qzeros_ptr, row_out_ptr,
         K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, BLOCK_ROWS: gl.constexpr,
-        TILES_PER_PROGRAM: gl.constexpr, STAGES: gl.constexpr, IS_BF16: gl.constexpr,
+        TILES_PER_PROGRAM: gl.constexpr, STAGES: gl.constexpr, IS_BF16: gl.constexpr, USE_PDL: gl.constexpr = False,
     ):
         """row_out[row, cols] = act[position] @ W2[expert][:, cols] for the group's rows,
-        TILES_PER_PROGRAM tiles of 128 columns per program."""
+        TILES_PER_PROGRAM tiles of 128 columns per program. USE_PDL: launched to start while W13
+        runs; it reads the sort's groups and requests its first weights before waiting for W13 (W13
+        lets it start only after its own wait, so the sort is complete once this one runs)."""
         PACKED: gl.constexpr = K // 8
         TILES: gl.constexpr = K // 128
         PROGRAMS: gl.constexpr = (TILES + TILES_PER_PROGRAM - 1) // TILES_PER_PROGRAM  # per group
@@ -372,14 +411,27 @@ if HOPPER_AVAILABLE:
         pid = gl.program_id(0)
         group_id = pid // PROGRAMS
         first_tile = (pid % PROGRAMS) * TILES_PER_PROGRAM
-        if group_id >= gl.load(num_groups_ptr):
+        if group_id >= gl.load(num_groups_ptr, cache_modifier=".cg"):
             return
         expert, start, count = _group_of(group_id, group_expert_ptr, group_start_ptr, group_count_ptr)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_ROWS, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
 
-        # the group's act rows (contiguous: act is in sorted positions), once: [SUB, rows, 32]
+        # step j: tile first_tile + j // SUB, reduction rows 32 (j % SUB) ..
+        ck = gl.arange(0, 32, layout=gl.SliceLayout(1, _COPY_WORDS))[:, None]
+        cw = gl.arange(0, 16, layout=gl.SliceLayout(0, _COPY_WORDS))[None, :]
+        words_src = qweight_ptr + expert * (N * PACKED) + ck * PACKED + first_tile * 16 + cw
+        copy_ok = (cw >= 0) & (ck >= 0)
+        STEPS: gl.constexpr = TILES_PER_PROGRAM * SUB
+        ring_words = gl.allocate_shared_memory(gl.int32, [STAGES, 32, 16], _RING_WORDS)
+        for p in gl.static_range(STAGES - 1):  # before the wait for W13 (PDL): the weights are not W13's
+            if p < STEPS:
+                _w2_copy_piece(p, ring_words, words_src, first_tile, copy_ok, PACKED, TILES, SUB, STAGES)
+        wait_for_previous_launch(USE_PDL)
+        let_next_launch_start(USE_PDL)
+        # the group's act rows (contiguous: act is in sorted positions), once: [SUB, rows, 32]; one
+        # commit group with the words above, then empty ones, so step j waits as the ring counts
         rr = gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(1, _COPY_ROWS))[:, None]
         rk = gl.arange(0, 32, layout=gl.SliceLayout(0, _COPY_ROWS))[None, :]
         row_ok = (rr < count) & (rk >= 0)
@@ -387,19 +439,7 @@ if HOPPER_AVAILABLE:
         for s in gl.static_range(SUB):
             async_copy.async_copy_global_to_shared(act_smem.index(s), act_ptr + (start + rr).to(gl.int64) * N
                                                    + s * 32 + rk, mask=row_ok)
-        async_copy.commit_group()
-
-        # step j: tile first_tile + j // SUB, reduction rows 32 (j % SUB) ..
-        ck = gl.arange(0, 32, layout=gl.SliceLayout(1, _COPY_WORDS))[:, None]
-        cw = gl.arange(0, 16, layout=gl.SliceLayout(0, _COPY_WORDS))[None, :]
-        words_src = qweight_ptr + expert * (N * PACKED) + ck * PACKED + first_tile * 16 + cw
-        STEPS: gl.constexpr = TILES_PER_PROGRAM * SUB
-        ring_words = gl.allocate_shared_memory(gl.int32, [STAGES, 32, 16], _RING_WORDS)
         for p in gl.static_range(STAGES - 1):
-            if p < STEPS:
-                async_copy.async_copy_global_to_shared(
-                    ring_words.index(p), words_src + (p % SUB) * 32 * PACKED + (p // SUB) * 16,
-                    mask=(first_tile + p // SUB < TILES) & (cw >= 0) & (ck >= 0))
             async_copy.commit_group()
 
         pick, zero_pick = _selectors()
@@ -427,11 +467,9 @@ if HOPPER_AVAILABLE:
                                                (next_tile < TILES) & (j + 1 < STEPS) & (local >= 0), K, G, PACKED)
                 z_lo, z_hi = _zero_pairs(a_zw, zero_pick, IS_BF16)
                 _wait_for_step(STAGES)
-                nxt = j + STAGES - 1
-                if nxt < STEPS:
-                    async_copy.async_copy_global_to_shared(
-                        ring_words.index(nxt % STAGES), words_src + (nxt % SUB) * 32 * PACKED + (nxt // SUB) * 16,
-                        mask=(first_tile + nxt // SUB < TILES) & (cw >= 0) & (ck >= 0))
+                if j + STAGES - 1 < STEPS:
+                    _w2_copy_piece(j + STAGES - 1, ring_words, words_src, first_tile, copy_ok, PACKED, TILES, SUB,
+                                   STAGES)
                 async_copy.commit_group()
                 words = ring_words.index(j % STAGES).load(_WORDS2)
                 a = _dequantize(words, z_lo, z_hi, a_lo, a_hi, pick, IS_BF16, a_layout)
