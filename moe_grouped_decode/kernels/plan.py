@@ -50,7 +50,7 @@ from .awq_mma import CHUNK_ROWS, TILE_WORDS
 from .carveout import prefer_max_shared_carveout
 from .combine import COMBINE_BLOCK, combine_kernel, combine_valid_kernel
 from .config import GroupedConfig, PrefillConfig, grouped_config
-from .pdl import pdl_supported
+from .pdl import launch_options, pdl_supported
 from .timeline import W2_STAMPS, W13_STAMPS
 
 STAGES = ("sort", "w13", "w2", "combine")  # "sort": only a config with w13_over_groups sorts
@@ -225,7 +225,7 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
     w13_on_gluon = config.w13_kernel == "gluon" and gluon
     w2_on_gluon = (config.w2_kernel == "gluon" and gluon
                    and (K // 8) % (TILE_WORDS.value * config.w2_warps) == 0)
-    pdl_options = {"launch_pdl": True} if use_pdl else {}
+    pdl_options = launch_options(use_pdl)
     launches = []
     sort_regions, sort_numel, groups = (), 0, 0
     if config.w13_over_groups:
@@ -429,25 +429,24 @@ def _sort_stage(M: int, top_k: int, E: int, group_rows: int, check_ids: bool = F
         ("group_start", (max_groups,), False), ("group_count", (max_groups,), False), ("num_groups", (1,), False),
         ("sorted_rows", (rows,), False),
     ))
-    pdl = dict(USE_PDL=use_pdl)
-    options = {"launch_pdl": True} if use_pdl else {}
+    options = launch_options(use_pdl)
     launches = (
         Launch("sort_ranks", "sort", expert_sort.ranks_kernel, (num_blocks,),
                ("topk_ids", "rows", "ranks", "block_counts", "id_flag"),
-               _items(dict(E=E, E_PAD=e_pad, BLOCK=block, CHECK_IDS=check_ids, **pdl)),
+               _items(dict(E=E, E_PAD=e_pad, BLOCK=block, CHECK_IDS=check_ids, USE_PDL=use_pdl)),
                _items({"num_warps": 4, **options}), False),
         Launch("sort_prefix", "sort", expert_sort.prefix_kernel, (e_pad // expert_sort.EXPERT_BLOCK,),
                ("block_counts", "num_blocks", "expert_totals"),
-               _items(dict(E_PAD=e_pad, NB_PAD=nb_pad, EXPERTS=expert_sort.EXPERT_BLOCK, **pdl)),
+               _items(dict(E_PAD=e_pad, NB_PAD=nb_pad, EXPERTS=expert_sort.EXPERT_BLOCK, USE_PDL=use_pdl)),
                _items({"num_warps": 4, **options}), False),
         Launch("sort_groups", "sort", expert_sort.groups_kernel, (1,),
                ("expert_totals", "expert_offsets", "group_first", "group_expert", "group_start", "group_count",
                 "num_groups", "max_groups"),
-               _items(dict(E_PAD=e_pad, G_PAD=g_pad, T=group_rows, **pdl)), _items({"num_warps": 16, **options}),
+               _items(dict(E_PAD=e_pad, G_PAD=g_pad, T=group_rows, USE_PDL=use_pdl)), _items({"num_warps": 16, **options}),
                False),
         Launch("sort_scatter", "sort", expert_sort.scatter_kernel, (num_blocks,),
                ("topk_ids", "rows", "ranks", "block_counts", "expert_offsets", "sorted_rows"),
-               _items(dict(E=E, E_PAD=e_pad, BLOCK=block, **pdl)), _items({"num_warps": 4, **options}), False),
+               _items(dict(E=E, E_PAD=e_pad, BLOCK=block, USE_PDL=use_pdl)), _items({"num_warps": 4, **options}), False),
     )
     return launches, regions, numel, max_groups
 
@@ -483,7 +482,7 @@ def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig
         Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
                ("row_out16", "topk_weights", "topk_ids", "out", "out_stride"),
                _items(dict(TOP_K=top_k, K=K, E=E, BLOCK_K=COMBINE_BLOCK, USE_PDL=combine_pdl)),
-               _items({"num_warps": 2, **({"launch_pdl": True} if combine_pdl else {})}), False),
+               _items({"num_warps": 2, **launch_options(combine_pdl)}), False),
     )
     return PrefillPlan(M, top_k, K, N, G, dtype, E, config, launches, tuple(regions), offset, check_ids)
 
@@ -525,8 +524,7 @@ def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig,
     ``prefill_config_run`` returned); ``use_pdl``: the wgmma ones launched to start early (the
     others wait for the launch before them to finish)."""
     if config.kernel == "wgmma":
-        pdl = dict(USE_PDL=use_pdl)
-        options = {"num_warps": 4, **({"launch_pdl": True} if use_pdl else {})}
+        options = {"num_warps": 4, **launch_options(use_pdl)}
         w2_programs = triton.cdiv(K // prefill_wgmma.TILE_COLUMNS, prefill_wgmma.W2_TILES_PER_PROGRAM)
         return (
             Launch("w13_prefill_wgmma", "w13", prefill_wgmma.w13_wgmma_kernel,
@@ -534,13 +532,13 @@ def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig,
                    PREFILL_W13_ARGS,
                    _items(dict(TOP_K=top_k, K=K, N=N, G=G, BLOCK_ROWS=config.block_rows, STAGES=config.w13_stages,
                                IS_BF16=is_bf16, SUB=config.w13_block_k // prefill_wgmma.STEP_ROWS,
-                               SCALES_AHEAD=config.w13_scales_ahead, TILES=config.w13_tiles, **pdl)),
+                               SCALES_AHEAD=config.w13_scales_ahead, TILES=config.w13_tiles, USE_PDL=use_pdl)),
                    _items(options), False),
             Launch("w2_prefill_wgmma", "w2", prefill_wgmma.w2_wgmma_kernel, (max_groups * w2_programs,),
                    PREFILL_W2_ARGS,
                    _items(dict(K=K, N=N, G=G, BLOCK_ROWS=config.block_rows,
                                TILES_PER_PROGRAM=prefill_wgmma.W2_TILES_PER_PROGRAM, STAGES=config.w2_stages,
-                               IS_BF16=is_bf16, **pdl)),
+                               IS_BF16=is_bf16, USE_PDL=use_pdl)),
                    _items(options), False),
         )
     if config.kernel == "dot":

@@ -207,19 +207,17 @@ if HOPPER_AVAILABLE:
         return s_lo, s_hi, gl.load(expert_zeros + group * PACKED, mask=ok, other=0)
 
     @gluon.jit
-    def _w13_copy_words(step, ring_words, words_src, word_ok, PACKED: gl.constexpr, STAGES: gl.constexpr,
+    def _w13_copy_words(step, u, ring_words, words_src, word_ok, PACKED: gl.constexpr, STAGES: gl.constexpr,
                         SUB: gl.constexpr):
-        """Step ``step``'s words (SUB pieces of 32 reduction rows) into its ring stage."""
-        for u in gl.static_range(SUB):
-            async_copy.async_copy_global_to_shared(ring_words.index((step % STAGES) * SUB + u),
-                                                   words_src + (step * SUB + u) * 32 * PACKED, mask=word_ok)
+        """Piece u of step ``step`` (32 reduction rows): its words into the step's ring stage."""
+        async_copy.async_copy_global_to_shared(ring_words.index((step % STAGES) * SUB + u),
+                                               words_src + (step * SUB + u) * 32 * PACKED, mask=word_ok)
 
     @gluon.jit
-    def _w13_copy_rows(step, ring_rows, rows_src, row_ok, STAGES: gl.constexpr, SUB: gl.constexpr):
-        """Step ``step``'s token rows into its ring stage."""
-        for u in gl.static_range(SUB):
-            async_copy.async_copy_global_to_shared(ring_rows.index((step % STAGES) * SUB + u),
-                                                   rows_src + (step * SUB + u) * 32, mask=row_ok)
+    def _w13_copy_rows(step, u, ring_rows, rows_src, row_ok, STAGES: gl.constexpr, SUB: gl.constexpr):
+        """Piece u of step ``step``: its token rows into the step's ring stage."""
+        async_copy.async_copy_global_to_shared(ring_rows.index((step % STAGES) * SUB + u),
+                                               rows_src + (step * SUB + u) * 32, mask=row_ok)
 
     @gluon.jit
     def _w13_copy_step(step, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok, PACKED: gl.constexpr,
@@ -228,11 +226,8 @@ if HOPPER_AVAILABLE:
         the compiler puts a barrier between two copies into one ring, so alternating the rings
         takes SUB - 1 barriers, not 2 (SUB - 1)."""
         for u in gl.static_range(SUB):
-            k0 = (step * SUB + u) * 32
-            async_copy.async_copy_global_to_shared(ring_words.index((step % STAGES) * SUB + u),
-                                                   words_src + k0 * PACKED, mask=word_ok)
-            async_copy.async_copy_global_to_shared(ring_rows.index((step % STAGES) * SUB + u), rows_src + k0,
-                                                   mask=row_ok)
+            _w13_copy_words(step, u, ring_words, words_src, word_ok, PACKED, STAGES, SUB)
+            _w13_copy_rows(step, u, ring_rows, rows_src, row_ok, STAGES, SUB)
 
     @gluon.jit
     def _w2_copy_piece(j, ring_words, words_src, first_tile, copy_ok, PACKED: gl.constexpr, TILES: gl.constexpr,
@@ -274,7 +269,8 @@ if HOPPER_AVAILABLE:
         # scatter wrote: requested before the wait for the scatter (PDL), their latency overlaps it
         for s in gl.static_range(STAGES - 1):
             if s < STEPS:  # a K of fewer steps than the ring holds reads nothing past the expert
-                _w13_copy_words(s, ring_words, words_src, word_ok, PACKED, STAGES, SUB)
+                for u in gl.static_range(SUB):
+                    _w13_copy_words(s, u, ring_words, words_src, word_ok, PACKED, STAGES, SUB)
         wait_for_previous_launch(USE_PDL)
         let_next_launch_start(USE_PDL)  # after the wait: W2 reads the sort's groups before its own
         # a step's token rows: x rows in the sort's order
@@ -285,7 +281,8 @@ if HOPPER_AVAILABLE:
         rows_src = x_ptr + token * stride_xm + rk
         for s in gl.static_range(STAGES - 1):  # the first commit group holds every word copied above
             if s < STEPS:
-                _w13_copy_rows(s, ring_rows, rows_src, row_ok, STAGES, SUB)
+                for u in gl.static_range(SUB):
+                    _w13_copy_rows(s, u, ring_rows, rows_src, row_ok, STAGES, SUB)
             async_copy.commit_group()
 
         pick, zero_pick = _selectors()
