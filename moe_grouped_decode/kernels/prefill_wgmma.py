@@ -263,14 +263,29 @@ if HOPPER_AVAILABLE:
         cw = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, copy_words))[None, :]
         word_ok = (word_base + cw % HALF < N // 8) & (ck >= 0)
         words_src = qweight_ptr + expert * (K * PACKED) + ck * PACKED + word_base + cw % HALF + (cw // HALF) * (N // 8)
-        ring_words = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, 32, 2 * HALF], ring_layout)
-        ring_rows = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES * SUB, BLOCK_ROWS, 32], _RING_ROWS)
+        if SUB == 4:  # one ring per piece: the compiler orders two copies into one allocation by a barrier
+            piece_words = (gl.allocate_shared_memory(gl.int32, [STAGES, 32, 2 * HALF], ring_layout),
+                           gl.allocate_shared_memory(gl.int32, [STAGES, 32, 2 * HALF], ring_layout),
+                           gl.allocate_shared_memory(gl.int32, [STAGES, 32, 2 * HALF], ring_layout),
+                           gl.allocate_shared_memory(gl.int32, [STAGES, 32, 2 * HALF], ring_layout))
+            piece_rows = (gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_ROWS, 32], _RING_ROWS),
+                          gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_ROWS, 32], _RING_ROWS),
+                          gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_ROWS, 32], _RING_ROWS),
+                          gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_ROWS, 32], _RING_ROWS))
+        else:
+            ring_words = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, 32, 2 * HALF], ring_layout)
+            ring_rows = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES * SUB, BLOCK_ROWS, 32], _RING_ROWS)
         # the first steps' words need only the group's expert, which the sort's launch before the
         # scatter wrote: requested before the wait for the scatter (PDL), their latency overlaps it
         for s in gl.static_range(STAGES - 1):
             if s < STEPS:  # a K of fewer steps than the ring holds reads nothing past the expert
-                for u in gl.static_range(SUB):
-                    _w13_copy_words(s, u, ring_words, words_src, word_ok, PACKED, STAGES, SUB)
+                if SUB == 4:
+                    for u in gl.static_range(SUB):
+                        async_copy.async_copy_global_to_shared(piece_words[u].index(s),
+                                                               words_src + (s * SUB + u) * 32 * PACKED, mask=word_ok)
+                else:
+                    for u in gl.static_range(SUB):
+                        _w13_copy_words(s, u, ring_words, words_src, word_ok, PACKED, STAGES, SUB)
         wait_for_previous_launch(USE_PDL)
         let_next_launch_start(USE_PDL)  # after the wait: W2 reads the sort's groups before its own
         # a step's token rows: x rows in the sort's order
@@ -281,8 +296,13 @@ if HOPPER_AVAILABLE:
         rows_src = x_ptr + token * stride_xm + rk
         for s in gl.static_range(STAGES - 1):  # the first commit group holds every word copied above
             if s < STEPS:
-                for u in gl.static_range(SUB):
-                    _w13_copy_rows(s, u, ring_rows, rows_src, row_ok, STAGES, SUB)
+                if SUB == 4:
+                    for u in gl.static_range(SUB):
+                        async_copy.async_copy_global_to_shared(piece_rows[u].index(s), rows_src + (s * SUB + u) * 32,
+                                                               mask=row_ok)
+                else:
+                    for u in gl.static_range(SUB):
+                        _w13_copy_rows(s, u, ring_rows, rows_src, row_ok, STAGES, SUB)
             async_copy.commit_group()
 
         pick, zero_pick = _selectors()
@@ -337,19 +357,31 @@ if HOPPER_AVAILABLE:
             for i in range(STEPS):
                 _wait_for_step(STAGES)
                 if i + STAGES - 1 < STEPS:  # into the stage of step i - 1, whose wgmma every thread waited for
-                    _w13_copy_step(i + STAGES - 1, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok,
-                                   PACKED, STAGES, SUB)
+                    if SUB == 4:
+                        for u in gl.static_range(SUB):
+                            k0 = ((i + STAGES - 1) * SUB + u) * 32
+                            async_copy.async_copy_global_to_shared(piece_words[u].index((i + STAGES - 1) % STAGES),
+                                                                   words_src + k0 * PACKED, mask=word_ok)
+                            async_copy.async_copy_global_to_shared(piece_rows[u].index((i + STAGES - 1) % STAGES),
+                                                                   rows_src + k0, mask=row_ok)
+                    else:
+                        _w13_copy_step(i + STAGES - 1, ring_words, ring_rows, words_src, rows_src, word_ok, row_ok,
+                                       PACKED, STAGES, SUB)
                 async_copy.commit_group()
-                stage = (i % STAGES) * SUB
                 for u in gl.static_range(SUB):
                     a_lo, a_hi, a_zw = n_lo, n_hi, n_zw
                     k_next = gl.minimum(i * SUB + u + 1, STEPS * SUB - 1) * 32  # the last piece requests its own
                     n_lo, n_hi, n_zw = _piece_scales(k_next, expert_scales, expert_zeros, col_lo, col_hi, ok, 2 * N,
                                                      G, PACKED)
                     z_lo, z_hi = _zero_pairs(a_zw, zero_pick, IS_BF16)
-                    a = _dequantize(ring_words.index(stage + u).load(_WORDS2), z_lo, z_hi, a_lo, a_hi, pick, IS_BF16,
-                                    a_layout)
-                    acc = warpgroup_mma(a, ring_rows.index(stage + u).permute((1, 0)), acc, is_async=True)
+                    if SUB == 4:
+                        words_u = piece_words[u].index(i % STAGES)
+                        rows_u = piece_rows[u].index(i % STAGES)
+                    else:
+                        words_u = ring_words.index((i % STAGES) * SUB + u)
+                        rows_u = ring_rows.index((i % STAGES) * SUB + u)
+                    a = _dequantize(words_u.load(_WORDS2), z_lo, z_hi, a_lo, a_hi, pick, IS_BF16, a_layout)
+                    acc = warpgroup_mma(a, rows_u.permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)
 
