@@ -152,6 +152,58 @@ def check_row_outputs(name: str, weights, x, ids, views, act_split: bool) -> Non
         sys.exit(1)
 
 
+def check_rounded_reference(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """out is the float64 reference rounded: the same +-Inf, finite values within 1 ULP, no NaN."""
+    out, want = out.to(dtype), ref.to(dtype)
+    inf = want.isinf()
+    ok = (not out.isnan().any() and torch.equal(out.isinf(), inf) and torch.equal(out[inf], want[inf])
+          and (inf.all() or error_stats(out[~inf], ref[~inf]).max_ulp <= 1))
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: {int(inf.sum())} of {inf.numel()} outputs +-Inf, the rest finite",
+          flush=True)
+    if not ok:
+        sys.exit(1)
+
+
+# Inputs within their dtype whose intermediates overflow: the combine's float64 recompute
+# (kernels/overflow.py) gives the reference rounded where the kernels' own sums are non-finite.
+
+
+def check_overflow_grouped(gen: torch.Generator, base: GroupedConfig) -> None:
+    """bf16 inputs of 1e30 overflow the grouped route's float32 silu(gate) * up (every output
+    +-Inf); 1e20 overflows it too while some outputs stay finite. Slots outside [0, E) (-1, E) add
+    nothing to the recompute either. The combine launch and the combine over groups (the fused
+    combine has no recompute)."""
+    E, k, K, N, G, M = 8, 3, 64, 32, 32, 3
+    unfused = dataclasses.replace(base, fused_combine=False)
+    for scale, configs in ((1e30, (unfused, dataclasses.replace(base, w13_over_groups=True))), (1e20, (unfused,))):
+        weights = synthetic_moe_weights(E, K, N, G, dtype=torch.bfloat16, seed=91)
+        x = (torch.randn(M, K, generator=gen) * scale).to(torch.bfloat16)
+        tw = torch.rand(M, k, generator=gen)
+        ids = routing("random", M, k, E, gen)
+        ids[1, 1], ids[2, 0] = -1, E
+        ref = reference_moe(x, tw.masked_fill((ids < 0) | (ids >= E), 0.0), ids.clamp(0, E - 1), weights)
+        for config in configs:
+            out, _ = run_grouped(weights, x, tw, ids, config)
+            check_rounded_reference(f"overflow grouped x*{scale:g} {config}", out, ref, torch.bfloat16)
+
+
+def check_overflow_prefill(gen: torch.Generator) -> None:
+    """fp16 row outputs past 65504 overflow the prefill route's 16-bit scratch while the token's
+    weighted sum (routing weights ~1e-3) is finite."""
+    E, k, K, N, G, M = 8, 3, 64, 32, 32, 3
+    weights = synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=92)
+    x = (torch.randn(M, K, generator=gen) * 300).to(torch.float16)
+    tw = torch.rand(M, k, generator=gen) * 1e-3
+    ids = routing("random", M, k, E, gen)
+    ref = reference_moe(x, tw, ids, weights)
+    rows_ref = torch.stack([reference_moe(x, torch.ones(M, 1), ids[:, j:j + 1], weights) for j in range(k)], 1)
+    assert rows_ref.abs().max() > 65504 and torch.isfinite(ref.to(torch.float16)).all()  # the case under test
+    for config in (PrefillConfig(w13_warps=1, w2_warps=1), PrefillConfig(kernel="dot", w2_block_n=32)):
+        out = output_buffer(x)
+        launch_prefill(x, tw, ids, weights, out, config)
+        check_rounded_reference(f"overflow prefill fp16 row outputs past 65504 {config}", out, ref, torch.float16)
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     # K=64, 2N=64: one W13 column tile of 8 int32s, two 32-row K-splits, one W2 column tile; the
@@ -225,6 +277,9 @@ def main() -> None:
                       f"(want {want}), outputs {'kept' if kept else 'changed'}", flush=True)
                 if not ok:
                     sys.exit(1)
+
+    check_overflow_grouped(gen, base)
+    check_overflow_prefill(gen)
 
     # the benchmark's two-launch read floor sorts with this compaction kernel: one padded sort at
     # R = 10 and R = 135

@@ -21,6 +21,7 @@ from moe_grouped_decode.contract import QWEN38_TP4
 from moe_grouped_decode.env import GLUON_W13_ENV
 from moe_grouped_decode.kernels import gluon_helpers
 from moe_grouped_decode.ops import alloc_workspace, error_stats, grouped_plan_for, launch_grouped, reference_moe
+from overflow_cases import assert_overflow_handled, overflowing
 
 pytestmark = [
     pytest.mark.cuda,
@@ -508,6 +509,25 @@ def test_grouped_ids_outside_the_experts_contribute_nothing(layer, workspace, mo
     torch.cuda.synchronize()
     assert_close(f"grouped replay {weights.dtype} M={M} ids {bad} gluon={gluon}", graph_out, x, ref_tw,
                  ids.clamp(0, E - 1), cpu_weights)
+
+
+@pytest.mark.parametrize("M,over_groups", [(8, False), (64, True)])
+def test_grouped_overflow_gives_the_rounded_reference(layer, workspace, M, over_groups):
+    """Inputs whose intermediates overflow (tests/overflow_cases.py): the combine launch's float64
+    recompute gives the reference rounded (+-Inf or finite, never NaN), per row (the combine as a
+    launch of its own) and over the sort's groups; the other tokens keep their results. (The
+    fused combine of the per-row W2 kernels has no recompute: README, limits.)"""
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(23 + M)
+    ids, tw = routing("random", M, gen)
+    x, tw = overflowing(activations(M, weights.dtype, gen), tw)
+    per_row = {} if over_groups else {"fused_combine": False, "w2_kernel": "tl"}  # Gluon's W2 fuses it
+    config = table_config(weights, M, w13_over_groups=over_groups, **per_row)
+    workspace.fill_(-1)
+    out = torch.full_like(x, float("nan"))
+    launch_grouped(x, tw, ids, weights, workspace, out, config)
+    assert_overflow_handled(f"grouped {weights.dtype} M={M} {config}", out, x, tw, ids, cpu_weights,
+                            BOUND[weights.dtype])
 
 
 OVER_GROUPS_TOKENS = [16, 64, 512]  # 512: ~10 rows per expert, several groups per expert

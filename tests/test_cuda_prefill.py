@@ -19,6 +19,7 @@ from moe_grouped_decode.awq import synthetic_moe_weights
 from moe_grouped_decode.contract import QWEN38_TP4
 from moe_grouped_decode.kernels.config import PrefillConfig, prefill_config
 from moe_grouped_decode.ops import error_stats, launch_prefill, prefill_plan_for, reference_moe
+from overflow_cases import assert_overflow_handled, overflowing
 
 pytestmark = [
     pytest.mark.cuda,
@@ -177,6 +178,20 @@ def test_ids_outside_the_experts_contribute_nothing(layer, bad):
     ref_tw = tw.clone()
     ref_tw[::3, 2] = 0.0
     check(f"prefill {weights.dtype} ids {bad}", out, x, ref_tw, ids.clamp(0, E - 1), cpu_weights)
+
+
+@pytest.mark.parametrize("M", [1, 40, 256])
+def test_overflow_gives_the_rounded_reference(layer, M):
+    """Inputs whose intermediates overflow (tests/overflow_cases.py; for fp16 the route's 16-bit
+    activations and row outputs): the combine's float64 recompute gives the reference rounded
+    (+-Inf or finite, never NaN); the other tokens keep their results."""
+    weights, cpu_weights = layer
+    gen = torch.Generator().manual_seed(41 + M)
+    ids, tw = routing("random", M, gen)
+    x, tw = overflowing(torch.randn(M, K, generator=gen).to(weights.dtype).cuda(), tw)
+    torch.full((M * K,), float("nan"), dtype=weights.dtype, device="cuda")  # the freed block the output may reuse
+    out = prefill_op(x, tw, ids, *weights.op_args())
+    assert_overflow_handled(f"prefill {weights.dtype} M={M}", out, x, tw, ids, cpu_weights, BOUND[weights.dtype])
 
 
 def test_bit_identical_reruns(layer):

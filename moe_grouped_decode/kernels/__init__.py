@@ -11,6 +11,7 @@
     prefill.py       the same on mma.sync over groups of 8-32 rows (elsewhere, up to 32-row groups)
     prefill_dot.py   the same on tl.dot over groups of 16-256 rows (elsewhere, larger groups)
     combine.py       the weighted combine over a token's k rows (both routes)
+    overflow.py      the combine launches' float64 recompute of a token whose sums overflowed
     awq_mma.py       AutoAWQ nibbles dequantized into mma.sync fragments (inline PTX; interpreter emulation)
     awq_tiles.py     AutoAWQ's column order; silu_mul
     gluon_helpers.py what the Gluon kernels share (availability, clock, PDL)

@@ -78,7 +78,11 @@ W2_TL_ARGS = ("topk_ids", "num_experts", "partials", "w2_qweight", "w2_scales", 
               "topk_weights", "out", "out_stride", "arrivals", "w2_stamps")
 W2_GLUON_ARGS = ("topk_ids", "num_experts", "partials", "w2_qweight", "w2_scales", "w2_qzeros", "row_outputs", "rows",
                  "topk_weights", "out", "out_stride", "arrivals", "w2_stamps")
-COMBINE_ARGS = ("row_outputs", "topk_weights", "out", "out_stride")
+# the combine launches also read what their float64 recompute of an overflowed token needs (overflow.py)
+COMBINE_ARGS = ("row_outputs", "topk_weights", "out", "out_stride", "x", "x_stride", "topk_ids", "num_experts",
+                "w13_qweight", "w13_scales", "w13_qzeros", "w2_qweight", "w2_scales", "w2_qzeros")
+COMBINE_VALID_ARGS = ("topk_weights", "topk_ids", "out", "out_stride", "x", "x_stride",
+                      "w13_qweight", "w13_scales", "w13_qzeros", "w2_qweight", "w2_scales", "w2_qzeros")
 
 
 @dataclass(frozen=True)
@@ -264,8 +268,8 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
                                    _items({"num_warps": 4}), False))
         if "combine" in stages:
             launches.append(Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
-                                   ("row_outputs", "topk_weights", "topk_ids", "out", "out_stride"),
-                                   _items(dict(TOP_K=top_k, K=K, E=E, BLOCK_K=COMBINE_BLOCK, USE_PDL=False)),
+                                   ("row_outputs",) + COMBINE_VALID_ARGS,
+                                   _items(dict(TOP_K=top_k, K=K, N=N, G=G, E=E, BLOCK_K=COMBINE_BLOCK, USE_PDL=False)),
                                    _items({"num_warps": 2}), False))
         stages = ()  # nothing more
     if "w2" in stages:
@@ -286,7 +290,7 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
                 _items(options), carveout))
     if "combine" in stages and not config.fused_combine:
         launches.append(Launch("combine", "combine", combine_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)), COMBINE_ARGS,
-                               _items(dict(TOP_K=top_k, K=K, BLOCK_K=COMBINE_BLOCK, USE_PDL=use_pdl)),
+                               _items(dict(TOP_K=top_k, K=K, N=N, G=G, BLOCK_K=COMBINE_BLOCK, USE_PDL=use_pdl)),
                                _items({"num_warps": 2, **pdl_options}), False))
     return GroupedPlan(M, top_k, K, N, G, dtype, capability, config, timeline, tuple(launches), num_arrivals,
                        tuple(sort_regions), sort_numel, groups, _checks_ids(launches))
@@ -480,8 +484,8 @@ def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig
         *sort_launches,
         *gemms,
         Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
-               ("row_out16", "topk_weights", "topk_ids", "out", "out_stride"),
-               _items(dict(TOP_K=top_k, K=K, E=E, BLOCK_K=COMBINE_BLOCK, USE_PDL=combine_pdl)),
+               ("row_out16",) + COMBINE_VALID_ARGS,
+               _items(dict(TOP_K=top_k, K=K, N=N, G=G, E=E, BLOCK_K=COMBINE_BLOCK, USE_PDL=combine_pdl)),
                _items({"num_warps": 2, **launch_options(combine_pdl)}), False),
     )
     return PrefillPlan(M, top_k, K, N, G, dtype, E, config, launches, tuple(regions), offset, check_ids)
