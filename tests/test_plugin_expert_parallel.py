@@ -116,7 +116,7 @@ def global_routing(m, seed, outside=True):
 def test_local_expert_ids_is_the_lookup(placement, ep_size, ep_rank, id_dtype):
     """Every global id, and every id outside the map: -1 must not wrap to the last global expert
     (local on the last rank), a large one must not read past the map."""
-    from moe_grouped_decode.compile_plugin.moe_method import local_expert_ids
+    from moe_grouped_decode.ops import local_expert_ids
 
     expert_map = vllm_expert_map(ep_size, ep_rank, placement)
     ids = torch.tensor([list(range(E)), [-1, -2, -(2**30), E, E + 1, 2**30, E - 1, 0] * 2], dtype=id_dtype)
@@ -126,7 +126,7 @@ def test_local_expert_ids_is_the_lookup(placement, ep_size, ep_rank, id_dtype):
 
 
 def test_local_expert_ids_compiles_without_a_graph_break():
-    from moe_grouped_decode.compile_plugin.moe_method import local_expert_ids
+    from moe_grouped_decode.ops import local_expert_ids
 
     expert_map = vllm_expert_map(2, 1, "linear")
     ids = torch.tensor([[-1, 3, 15], [16, 8, 2**30]], dtype=torch.int32)

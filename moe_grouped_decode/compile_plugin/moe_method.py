@@ -20,7 +20,7 @@ from vllm.scalar_type import scalar_types
 
 from ..contract import ACTIVATION_DTYPES, Admission, LayerShape, admits
 from ..env import batch_invariant
-from ..ops import alloc_workspace
+from ..ops import alloc_workspace, local_expert_ids
 
 # One workspace per (device, rows, K, N): MoE layers run one after another, so
 # every layer of a model shares it; allocated once, before any graph capture.
@@ -74,20 +74,6 @@ def unservable_reason(layer, quant_config: AutoAWQConfig) -> Optional[str]:
     )
     reasons = [what for ok, what in checks if not ok]
     return ", ".join(reasons) if reasons else None
-
-
-def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
-    """The router's global expert ids as this rank's local ids, int32, on the device (no host sync).
-
-    ``expert_map[g]`` is global expert g's local id, or -1 where another rank holds it; the ops
-    give a -1 slot no contribution. An id outside the map (vLLM's -1 for an unused slot, or any
-    other) must not index it directly: -1 would wrap to the last global expert, which may be
-    local here, and a large id would read out of bounds. Clamped to [-1, n] (n global experts),
-    every such id reads the -1 appended at index n (index -1 of the padded map is that entry).
-    """
-    num_global = expert_map.shape[0]
-    padded = torch.nn.functional.pad(expert_map, (0, 1), value=-1)
-    return padded[topk_ids.clamp(-1, num_global)].to(torch.int32)
 
 
 def check_expert_map(layer, moe: FusedMoEConfig) -> None:

@@ -8,6 +8,7 @@ from .cuda import (grouped_plan_for, ids_flag, launch_grouped, launch_prefill, p
                    raise_on_flagged_ids, warmup)  # implementations
 from .awq_moe import awq_moe_dense, awq_moe_grouped_decode, check_moe_args, compact_rows
 from .routed import awq_moe_routed
+from .expert_parallel import local_expert_ids
 from .reference import ErrorStats, Segments, error_stats, reference_moe, reference_segments
 from .workspace import WorkspaceLayout, alloc_workspace, workspace_numel, workspace_views
 
@@ -17,6 +18,7 @@ __all__ = [
     "awq_moe_routed",
     "check_moe_args",
     "compact_rows",
+    "local_expert_ids",
     "grouped_plan_for",
     "ids_flag",
     "raise_on_flagged_ids",
