@@ -170,21 +170,27 @@ def check_rounded_reference(name: str, out: torch.Tensor, ref: torch.Tensor, dty
 
 def check_overflow_grouped(gen: torch.Generator, base: GroupedConfig) -> None:
     """bf16 inputs of 1e30 overflow the grouped route's float32 silu(gate) * up (every output
-    +-Inf); 1e20 overflows it too while some outputs stay finite. Slots outside [0, E) (-1, E) add
-    nothing to the recompute either. The combine launch and the combine over groups (the fused
-    combine has no recompute)."""
-    E, k, K, N, G, M = 8, 3, 64, 32, 32, 3
+    +-Inf); 1e20 overflows it too while some outputs stay finite (asserted of the reference).
+    Slots outside [0, E) (-1, E) add nothing to the recompute either. Every combine: W2's fused
+    one, the combine launch, the combine over groups. The 1e20 layer (K = 128, N = 96) takes the
+    recompute past its first lane chunk of hidden units (32 lanes in the fused W2 with one warp,
+    64 in the combine launch) and the fused combine over two column tiles."""
+    E, k, M = 8, 3, 3
     unfused = dataclasses.replace(base, fused_combine=False)
-    for scale, configs in ((1e30, (unfused, dataclasses.replace(base, w13_over_groups=True))), (1e20, (unfused,))):
+    over_groups = dataclasses.replace(base, w13_over_groups=True)
+    for scale, (K, N, G), configs in ((1e30, (64, 32, 32), (base, unfused, over_groups)),
+                                      (1e20, (128, 96, 32), (base, unfused))):
         weights = synthetic_moe_weights(E, K, N, G, dtype=torch.bfloat16, seed=91)
         x = (torch.randn(M, K, generator=gen) * scale).to(torch.bfloat16)
         tw = torch.rand(M, k, generator=gen)
         ids = routing("random", M, k, E, gen)
         ids[1, 1], ids[2, 0] = -1, E
         ref = reference_moe(x, tw.masked_fill((ids < 0) | (ids >= E), 0.0), ids.clamp(0, E - 1), weights)
+        rounded = ref.to(torch.bfloat16)
+        assert rounded.isinf().any() and (scale > 1e25 or rounded.isfinite().any()), "the case under test"
         for config in configs:
             out, _ = run_grouped(weights, x, tw, ids, config)
-            check_rounded_reference(f"overflow grouped x*{scale:g} {config}", out, ref, torch.bfloat16)
+            check_rounded_reference(f"overflow grouped x*{scale:g} K={K} N={N} {config}", out, ref, torch.bfloat16)
 
 
 def check_overflow_prefill(gen: torch.Generator) -> None:
@@ -255,6 +261,7 @@ def main() -> None:
         ids[0, 0], ids[1, 2], ids[3, 1] = -1, E, 2 ** 30
         ref_tw = tw.clone()
         ref_tw[0, 0] = ref_tw[1, 2] = ref_tw[3, 1] = 0.0
+        tw[0, 0], tw[3, 1] = float("nan"), float("inf")  # an unrouted slot's weight is never used
         name = f"grouped bad ids E={E} M={M} {config}"
         out, views = run_grouped(weights, x, tw, ids, config)
         check(name, out, reference_moe(x, ref_tw, ids.clamp(0, E - 1), weights), torch.float16)

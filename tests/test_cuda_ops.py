@@ -480,14 +480,16 @@ def test_largest_carveout_has_binaries_of_its_own_and_changes_no_bits(layer, wor
 @pytest.mark.parametrize("M", [1, 8, 64])
 def test_grouped_ids_outside_the_experts_contribute_nothing(layer, workspace, monkeypatch, bad, gluon, M):
     """vLLM marks an expert not on this rank with -1 (expert parallelism): such a slot, or any id
-    outside [0, E), adds nothing to its token and reads nothing out of bounds (the context
-    survives: the synchronize below would raise), on both kernel families, eager and replayed."""
+    outside [0, E), adds nothing to its token, whatever its weight (NaN here), and reads nothing
+    out of bounds (the context survives: the synchronize below would raise), on both kernel
+    families, eager and replayed."""
     monkeypatch.setenv(GLUON_W13_ENV, gluon)
     weights, cpu_weights = layer
     gen = torch.Generator().manual_seed(19 + M)
     x = activations(M, weights.dtype, gen)
     ids, tw = routing("random", M, gen)
     ids[::2, 3] = bad
+    tw[::4, 3] = float("nan")
     out = run_grouped(x, tw, ids, weights, workspace)
     torch.cuda.synchronize()
     ref_tw = tw.clone()
@@ -504,6 +506,7 @@ def test_grouped_ids_outside_the_experts_contribute_nothing(layer, workspace, mo
             graph_out.copy_(grouped_op(x, tw, ids, *weights.op_args(), workspace))
     torch.cuda.current_stream().wait_stream(stream)
     ids[1::2, 0] = bad  # new routing, replayed: more slots outside
+    tw[1::2, 0] = float("inf")
     ref_tw[1::2, 0] = 0.0
     graph.replay()
     torch.cuda.synchronize()
@@ -511,18 +514,23 @@ def test_grouped_ids_outside_the_experts_contribute_nothing(layer, workspace, mo
                  ids.clamp(0, E - 1), cpu_weights)
 
 
-@pytest.mark.parametrize("M,over_groups", [(8, False), (64, True)])
-def test_grouped_overflow_gives_the_rounded_reference(layer, workspace, M, over_groups):
-    """Inputs whose intermediates overflow (tests/overflow_cases.py): the combine launch's float64
-    recompute gives the reference rounded (+-Inf or finite, never NaN), per row (the combine as a
-    launch of its own) and over the sort's groups; the other tokens keep their results. (The
-    fused combine of the per-row W2 kernels has no recompute: README, limits.)"""
+@pytest.mark.parametrize("M,combine", [
+    (1, "fused"), (2, "fused"), (3, "fused"), (8, "fused"), (16, "fused"),  # the table's W2 kernels, tl and Gluon
+    (8, "launch"),  # the per-row combine as a launch of its own
+    (64, "over_groups"),
+])
+def test_grouped_overflow_gives_the_rounded_reference(layer, workspace, M, combine):
+    """Inputs whose intermediates overflow (tests/overflow_cases.py): every combine's float64
+    recompute gives the reference rounded (+-Inf or finite, never NaN): the per-row W2's fused
+    combine at the table's configs (the tl W2 at 1, 3 and 16 tokens, the Gluon W2 at 2 and 8),
+    the combine as a launch, and over the sort's groups; the other tokens keep their results."""
     weights, cpu_weights = layer
     gen = torch.Generator().manual_seed(23 + M)
     ids, tw = routing("random", M, gen)
     x, tw = overflowing(activations(M, weights.dtype, gen), tw)
-    per_row = {} if over_groups else {"fused_combine": False, "w2_kernel": "tl"}  # Gluon's W2 fuses it
-    config = table_config(weights, M, w13_over_groups=over_groups, **per_row)
+    changes = {"fused": {}, "launch": {"fused_combine": False, "w2_kernel": "tl"},  # Gluon's W2 always fuses it
+               "over_groups": {"w13_over_groups": True}}[combine]
+    config = table_config(weights, M, **changes)
     workspace.fill_(-1)
     out = torch.full_like(x, float("nan"))
     launch_grouped(x, tw, ids, weights, workspace, out, config)

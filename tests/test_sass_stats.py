@@ -124,14 +124,41 @@ def test_constexpr_defaults_stay_constexprs():
     assert "2.000000e+00" in ttir and "1.000000e+00" not in ttir, ttir
 
 
+def test_tl_family_table_w2_compiles_without_spills():
+    """The table's ``tl`` family (no Gluon, or MOE_GROUPED_DECODE_GLUON=0) launches the tl W2 with
+    its fused combine's float64 recompute: its register caps must leave no spills, sm_90."""
+    code = f"""
+import dataclasses, sys
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+import sass_stats
+from moe_grouped_decode.kernels import config
+from moe_grouped_decode.contract import QWEN38_TP4 as c
+shape = (c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size)
+for dtype in ("fp16", "bf16"):
+    for M in range(1, 9):
+        table = config.grouped_config(shape, sass_stats.TABLE_GPU, "tl", dtype, M)
+        fields = {{f.name: getattr(table, f.name) for f in dataclasses.fields(table)}}
+        for name, kernel, *_ in sass_stats.launched_kernels(dtype, M, changes=fields):
+            if name.endswith(" w2"):
+                usage = sass_stats.cuobjdump(kernel, "-res-usage")
+                print(name, table.w2_kernel, usage.split("REG:")[1].split()[0], usage.split("STACK:")[1].split()[0])
+"""
+    rows = [line.split() for line in _python_stdout("-c", code).splitlines() if line.startswith("M=")]
+    assert len(rows) == 16, rows
+    for row in rows:
+        assert row[3] == "tl" and 0 < int(row[4]) <= 255 and row[5] == "0", row
+
+
 @pytest.mark.parametrize("M,changes", [
-    (2, dict(w2_kernel="tl")),  # the tl W2 (at M = 2's W13 split; the table's entries all run the Gluon W2)
-    (8, dict()),  # the Gluon W2 (M = 8's table entry)
+    (2, dict(w2_kernel="tl", w2_max_registers=128)),  # the tl W2 at M = 2's W13 split, the default cap
+    (8, dict(w2_max_registers=96)),  # the Gluon W2 (M = 8's table entry, capped)
 ])
 def test_w2_with_activation_pairs_compiles_without_spills(M, changes):
     """w2_act_split=True (the activations as a 16-bit hi + lo pair, two mma per chunk) is in no
     table entry, so the tool's main run does not build it: both W2 kernels, both dtypes, through
-    ptxas for sm_90."""
+    ptxas for sm_90. With the fused combine's float64 recompute in their tails both need a
+    register cap not to spill (uncapped: 16 bytes of stack, the tl W2 in fp16, the 8-warp Gluon
+    W2 in bf16)."""
     code = f"""
 import sys
 sys.path.insert(0, {str(ROOT / "benchmarks")!r})

@@ -1,4 +1,4 @@
-"""The combine launches' repair of a token whose sums came out non-finite: its columns again, in float64.
+"""The combines' repair of a token whose sums came out non-finite: its columns again, in float64.
 
 An input within its 16-bit range can overflow an intermediate the kernels keep narrower than
 the float64 reference does: float32 in the grouped route (silu(gate) * up past 3.4e38: bf16
@@ -6,15 +6,17 @@ inputs from ~1e19 on unit-scale weights; for fp16, W2's 16-bit activations past 
 activation dtype in the prefill route (an fp16 activation or row output past 65504, whose
 weighted sum may well be finite). Every such overflow leaves the token's sums non-finite in
 every column (inf * 0 and inf - inf are NaN; an infinite activation reaches every column through
-W2), so a combine launch checks the columns it stores and only then calls
-``repair_token_columns``: finite tokens keep their bits and pay one reduction; an overflowed one
-is recomputed as the reference computes it (``ops.reference.reference_moe``) and rounds as it
-does, to +-Inf or to a finite value. The recompute walks one hidden unit at a time, a loop no
-finite token enters (milliseconds per overflowed token).
+W2), so every combine (the launches, and the grouped W2's fused one) checks the columns it
+stores and only then calls ``repair_token_columns``: finite tokens keep their bits and pay one
+reduction; an overflowed one is recomputed as the reference computes it
+(``ops.reference.reference_moe``) and rounds as it does, to +-Inf or to a finite value. The
+recompute walks one hidden unit at a time, a loop no finite token enters (each program
+recomputes the token's activations for its own columns: tens of milliseconds for an overflowed
+token, nothing for the others).
 
-The grouped route's W2 kernels, which fuse the combine into their tail, have no repair: with
-this code in it the compiler allocates the whole kernel's registers differently and spills
-inside its mma chunks (docs/notebook/explorations.md, SASS study 6).
+The code sits in the fused W2 kernels' tails too, where it changes how ptxas allocates the
+whole kernel: the launch table's per-token-count register caps (``w2_max_registers``) are
+measured with it (docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -61,17 +63,17 @@ def columns_overflowed(total, col_ok):
 @triton.jit
 def repair_token_columns(t, col0, out_ptr, stride_om, x_ptr, stride_xm, topk_ids_ptr, topk_weights_ptr, num_experts,
                          w13_qweight_ptr, w13_scales_ptr, w13_qzeros_ptr, w2_qweight_ptr, w2_scales_ptr,
-                         w2_qzeros_ptr, TOP_K: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+                         w2_qzeros_ptr, lanes, TOP_K: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
                          COLUMNS: tl.constexpr, LANES: tl.constexpr):
     """out[t, col0 : col0 + COLUMNS] (those < K) = sum_j w[t, j] * W2(silu(gate) * up) in float64,
     rounded through float32 as torch rounds a float64 reference; a slot outside [0, num_experts)
-    adds nothing. LANES (one a thread) columns at a time, and as many hidden units."""
+    adds nothing. ``lanes``: arange(0, LANES) in the caller's layout (one lane a thread; Gluon
+    callers name theirs); LANES columns at a time, and as many hidden units."""
     t = t.to(tl.int64)
-    lanes = tl.arange(0, LANES)
     for c0 in range(0, tl.minimum(COLUMNS, K - col0), LANES):  # the columns < K
         cols = col0 + c0 + lanes
         col_ok = cols < K
-        out = tl.zeros([LANES], dtype=tl.float64)
+        out = (lanes * 0).to(tl.float64)
         for j in range(TOP_K):  # loops, not unrolled: little code beside the combine's
             expert = tl.load(topk_ids_ptr + t * TOP_K + j).to(tl.int64)
             if (expert >= 0) & (expert < num_experts):
@@ -85,8 +87,8 @@ def repair_token_columns(t, col0, out_ptr, stride_om, x_ptr, stride_xm, topk_ids
                 for n0 in range(0, N, LANES):  # hidden units n0 + lanes
                     n = n0 + lanes
                     n_ok = n < N
-                    gate = tl.zeros([LANES], dtype=tl.float64)
-                    up = tl.zeros([LANES], dtype=tl.float64)
+                    gate = (lanes * 0).to(tl.float64)
+                    up = gate
                     for k in range(K):
                         xk = tl.load(x_ptr + t * stride_xm + k).to(tl.float64)
                         gate += xk * _awq_float64(w13_q, w13_s, w13_z, k, n, n_ok, 2 * N, G)

@@ -48,7 +48,7 @@ from . import (MIN_CUDA_CAPABILITY, cuda_capability, device_name, expert_sort, g
                prefill_wgmma, w13_gluon, w13_tl, w2_gluon, w2_tl)
 from .awq_mma import CHUNK_ROWS, TILE_WORDS
 from .carveout import prefer_max_shared_carveout
-from .combine import COMBINE_BLOCK, combine_kernel, combine_valid_kernel
+from .combine import COMBINE_BLOCK, COMBINE_WARPS, combine_kernel, combine_valid_kernel
 from .config import GroupedConfig, PrefillConfig, grouped_config
 from .pdl import launch_options, pdl_supported
 from .timeline import W2_STAMPS, W13_STAMPS
@@ -75,10 +75,13 @@ GROUP_ARGS = ("sorted_rows", "group_expert", "group_start", "group_count", "num_
 W13_ARGS = ("x", "x_stride", "topk_ids", "num_experts", "w13_qweight", "w13_scales", "w13_qzeros", "partials", "rows",
             "arrivals", "num_arrivals", "w13_stamps") + GROUP_ARGS + ("id_flag",)
 W2_TL_ARGS = ("topk_ids", "num_experts", "partials", "w2_qweight", "w2_scales", "w2_qzeros", "activations", "row_outputs", "rows",
-              "topk_weights", "out", "out_stride", "arrivals", "w2_stamps")
+              "topk_weights", "out", "out_stride", "arrivals", "w2_stamps", "x", "x_stride", "w13_qweight", "w13_scales",
+              "w13_qzeros")
 W2_GLUON_ARGS = ("topk_ids", "num_experts", "partials", "w2_qweight", "w2_scales", "w2_qzeros", "row_outputs", "rows",
-                 "topk_weights", "out", "out_stride", "arrivals", "w2_stamps")
-# the combine launches also read what their float64 recompute of an overflowed token needs (overflow.py)
+                 "topk_weights", "out", "out_stride", "arrivals", "w2_stamps", "x", "x_stride", "w13_qweight",
+                 "w13_scales", "w13_qzeros")
+# W2 (its fused combine) and the combine launches also read what their float64 recompute of an
+# overflowed token needs (overflow.py)
 COMBINE_ARGS = ("row_outputs", "topk_weights", "out", "out_stride", "x", "x_stride", "topk_ids", "num_experts",
                 "w13_qweight", "w13_scales", "w13_qzeros", "w2_qweight", "w2_scales", "w2_qzeros")
 COMBINE_VALID_ARGS = ("topk_weights", "topk_ids", "out", "out_stride", "x", "x_stride",
@@ -270,7 +273,7 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
             launches.append(Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
                                    ("row_outputs",) + COMBINE_VALID_ARGS,
                                    _items(dict(TOP_K=top_k, K=K, N=N, G=G, E=E, BLOCK_K=COMBINE_BLOCK, USE_PDL=False)),
-                                   _items({"num_warps": 2}), False))
+                                   _items({"num_warps": COMBINE_WARPS.value}), False))
         stages = ()  # nothing more
     if "w2" in stages:
         grid = (rows, w2_tiles)
@@ -291,7 +294,7 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
     if "combine" in stages and not config.fused_combine:
         launches.append(Launch("combine", "combine", combine_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)), COMBINE_ARGS,
                                _items(dict(TOP_K=top_k, K=K, N=N, G=G, BLOCK_K=COMBINE_BLOCK, USE_PDL=use_pdl)),
-                               _items({"num_warps": 2, **pdl_options}), False))
+                               _items({"num_warps": COMBINE_WARPS.value, **pdl_options}), False))
     return GroupedPlan(M, top_k, K, N, G, dtype, capability, config, timeline, tuple(launches), num_arrivals,
                        tuple(sort_regions), sort_numel, groups, _checks_ids(launches))
 
@@ -486,7 +489,7 @@ def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig
         Launch("combine_valid", "combine", combine_valid_kernel, (M, triton.cdiv(K, COMBINE_BLOCK)),
                ("row_out16",) + COMBINE_VALID_ARGS,
                _items(dict(TOP_K=top_k, K=K, N=N, G=G, E=E, BLOCK_K=COMBINE_BLOCK, USE_PDL=combine_pdl)),
-               _items({"num_warps": 2, **launch_options(combine_pdl)}), False),
+               _items({"num_warps": COMBINE_WARPS.value, **launch_options(combine_pdl)}), False),
     )
     return PrefillPlan(M, top_k, K, N, G, dtype, E, config, launches, tuple(regions), offset, check_ids)
 

@@ -20,12 +20,14 @@ otherwise not reach the chunks that have already landed::
                             warp w: awq_mma of chunk c on its 64 columns
                           -> row_out[row]
                           last of the token's k programs on this tile: combine into out
+                            (float64 recompute of a token whose sums are not finite)
 
 No interpreter support: where Gluon does not run, the plan launches ``w2_tl``.
 """
 
 from .awq_mma import chunk_constraints, chunk_ptx
 from .gluon_helpers import AVAILABLE
+from .overflow import columns_overflowed, repair_token_columns
 from .timeline import W2_SM_SLOT, W2_STAMP_COUNT
 
 if AVAILABLE:
@@ -37,6 +39,7 @@ if AVAILABLE:
     def _w2_gluon(
         ids_ptr, num_experts, partials_ptr, qweight_ptr, scales_ptr, qzeros_ptr, row_out_ptr, rows,
         topk_weights_ptr, out_ptr, stride_om, arrivals_ptr, timeline_ptr,
+        x_ptr, stride_xm, w13_qweight_ptr, w13_scales_ptr, w13_qzeros_ptr,
         K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr, WARPS: gl.constexpr,
         CHUNKS_PAD: gl.constexpr, AHEAD: gl.constexpr, ACT_SPLIT: gl.constexpr, TOP_K: gl.constexpr,
         IS_BF16: gl.constexpr, USE_PDL: gl.constexpr, TIMELINE: gl.constexpr,
@@ -181,8 +184,9 @@ if AVAILABLE:
         if TIMELINE:
             gl.store(timeline_ptr + stamps + 3, now())
 
-        # the fused combine (combine.combine_tile): the last of the token's k programs on this tile
-        # sums its k row outputs in j order
+        # the fused combine (combine.combine_stored's, in this kernel's layouts): the last of the
+        # token's k programs on this tile sums its k row outputs in j order (a slot outside
+        # [0, E) adds nothing) and recomputes a token whose sums are not finite in float64
         token = row // TOP_K
         gl.thread_barrier()  # every thread's row_out stores happen before the release below
         arrived = gl.atomic_add(arrivals_ptr + token * gl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
@@ -193,8 +197,16 @@ if AVAILABLE:
             total = gl.zeros([WARPS * 64], gl.float32, layout=c_layout)
             for j in gl.static_range(TOP_K):
                 weight = gl.load(topk_weights_ptr + t64 * TOP_K + j).to(gl.float32)
+                slot_expert = gl.load(ids_ptr + t64 * TOP_K + j)
+                weight = gl.where((slot_expert >= 0) & (slot_expert < num_experts), weight, 0.0)
                 total += weight * gl.load(row_out_ptr + (t64 * TOP_K + j) * K + tile_cols, cache_modifier=".cg")
             gl.store(out_ptr + t64 * stride_om + tile_cols, total.to(out_ptr.dtype.element_ty))
+            if columns_overflowed(total, tile_cols >= 0):
+                lanes = gl.arange(0, 32 * WARPS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+                repair_token_columns(token, word0 * 8, out_ptr, stride_om, x_ptr, stride_xm, ids_ptr,
+                                     topk_weights_ptr, num_experts, w13_qweight_ptr, w13_scales_ptr,
+                                     w13_qzeros_ptr, qweight_ptr, scales_ptr, qzeros_ptr, lanes, TOP_K, K, N, G,
+                                     WARPS * 64, 32 * WARPS)
         if TIMELINE:
             gl.store(timeline_ptr + stamps + 4, now())
 

@@ -12,7 +12,8 @@ tile * WARPS + w over all N rows (N / 32 awq_mma chunks)::
     mma -> float32 row_outputs[row, tile]
     FUSED_COMBINE: the last of a token's k programs on the tile (an int32 arrival counter per
           (token, tile), zeroed by the W13 launch) writes
-          out[t, tile] = sum_j topk_weights[t, j] * row_outputs[t * k + j, tile]  (j order)
+          out[t, tile] = sum_j topk_weights[t, j] * row_outputs[t * k + j, tile]  (j order;
+          combine.combine_stored: a token whose sums are not finite is recomputed in float64)
 
 A token's output depends only on its own activations, routing and weights: fixed summation
 orders, and the only atomics are integer arrival counts (which program combines changes, the
@@ -28,7 +29,7 @@ import triton.language as tl
 
 from .awq_mma import CHUNK_ROWS, TILE_WORDS, awq_mma_chunk, chunk_columns, chunk_lanes, chunk_rows
 from .awq_tiles import silu_mul
-from .combine import combine_tile
+from .combine import combine_stored
 from .pdl import let_next_launch_start, wait_for_previous_launch
 from .timeline import W2_SM_SLOT, W2_STAMP_COUNT, now, sm_id
 
@@ -62,6 +63,7 @@ def _w2_tl(
     rows,
     topk_weights_ptr, out_ptr, stride_om, arrivals_ptr,
     timeline_ptr,
+    x_ptr, stride_xm, w13_qweight_ptr, w13_scales_ptr, w13_qzeros_ptr,
     K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr, WARPS: tl.constexpr,
     N_PAD: tl.constexpr, TOP_K: tl.constexpr,
     IS_BF16: tl.constexpr, FUSED_COMBINE: tl.constexpr, USE_PDL: tl.constexpr,
@@ -129,8 +131,9 @@ def _w2_tl(
         tl.debug_barrier()  # every thread's row_out stores happen before the release below
         arrived = tl.atomic_add(arrivals_ptr + token * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == TOP_K - 1:
-            tile_cols = tile * (WARPS * TILE_WORDS * 8) + tl.arange(0, WARPS * TILE_WORDS * 8)
-            combine_tile(row_out_ptr, topk_weights_ptr, out_ptr, stride_om, token, tile_cols, tile_cols < K, TOP_K, K)
+            combine_stored(row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, out_ptr, stride_om, x_ptr, stride_xm,
+                           w13_qweight_ptr, w13_scales_ptr, w13_qzeros_ptr, qweight_ptr, scales_ptr, qzeros_ptr,
+                           token, tile * (WARPS * TILE_WORDS * 8), TOP_K, K, N, G, WARPS * TILE_WORDS * 8, 32 * WARPS)
     if TIMELINE:
         tl.store(timeline_ptr + stamps + 4, now())
 
