@@ -97,9 +97,14 @@ def test_prefill_matches_reference(layer, M, pattern):
     PrefillConfig(kernel="wgmma", block_rows=8, w13_block_k=128, w13_stages=3, w2_stages=4, w13_scales_ahead=True,
                   w13_tiles="narrow"),
     PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=128, w13_stages=2, w2_stages=4, w13_tiles="wide"),
+    # a W2 ring of as many stages as a tile has pieces (N / 32 = 5): one allocation per piece
+    PrefillConfig(kernel="wgmma", block_rows=8, w13_block_k=128, w13_stages=2, w2_stages=5, w13_scales_ahead=True,
+                  w13_tiles="narrow"),
+    PrefillConfig(kernel="wgmma", block_rows=64, w13_stages=4, w2_stages=5),
 ], ids=["tb2", "tb4-8warps", "1warp", "dot16", "dot32-n64", "dot64-8warps", "dot128", "wgmma64", "wgmma128",
         "wgmma16", "wgmma32-k64", "wgmma8-ahead", "wgmma16-k64-ahead", "wgmma16-k32-ahead", "wgmma8-narrow",
-        "wgmma16-k32-narrow", "wgmma32-narrow", "wgmma8-k128-narrow", "wgmma16-k128-wide"])
+        "wgmma16-k32-narrow", "wgmma32-narrow", "wgmma8-k128-narrow", "wgmma16-k128-wide", "wgmma8-w2-piece-rings",
+        "wgmma64-w2-piece-rings"])
 def test_prefill_configs_match_reference(layer, config):
     """Every launch shape the route table may pick, on routing with multi-group experts."""
     weights, cpu_weights = layer

@@ -274,6 +274,41 @@ for dtype in ("fp16", "bf16"):
         assert 0 < int(row[4]) <= 255 and int(row[5]) == 0, row
 
 
+def test_w2_tiles_with_a_ring_per_piece_wait_at_fewer_barriers():
+    """The prefill route's wgmma W2 with as many ring stages as a tile has pieces (the table's
+    256-1024-token entries, w2_stages = N / 32 = 5) copies each piece into an allocation of its
+    own: its tile loop waits at 11 barriers (two per piece and one more), where a 4-stage ring,
+    one allocation, takes 16 (the compiler orders any two copies into one allocation). Fails on a
+    W2 that puts the pieces back into one ring (2-5 us at 128-256 tokens on the H200)."""
+    code = r"""
+import dataclasses, re, sys
+sys.path.insert(0, BENCHMARKS)
+import sass_stats
+from moe_grouped_decode.kernels.config import prefill_config
+from moe_grouped_decode.contract import QWEN38_TP4 as c
+shape = (c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size)
+for dtype in ("fp16", "bf16"):
+    for M in (256, 512, 1024):
+        table = prefill_config(shape, sass_stats.TABLE_GPU, dtype, M)
+        for stages in (table.w2_stages, 4):
+            for name, kernel, _, _ in sass_stats.prefill_kernels(dtype, M, dataclasses.replace(table, w2_stages=stages)):
+                if "w2_prefill_wgmma" not in name:
+                    continue
+                sass = sass_stats.cuobjdump(kernel, "-sass")
+                lines = [(int(m.group(1), 16), line) for line in sass.splitlines()
+                         if (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/", line))]
+                end, target = next((at, int(m.group(1), 16)) for at, line in lines
+                                   if (m := re.search(r"BRA (0x[0-9a-f]+)", line)) and int(m.group(1), 16) < at)
+                body = [line for at, line in lines if target <= at <= end]
+                print("loop", dtype, M, stages, sum("BAR.SYNC" in line for line in body))
+""".replace("BENCHMARKS", repr(str(ROOT / "benchmarks")))
+    rows = [line.split() for line in _python_stdout("-c", code).splitlines() if line.startswith("loop ")]
+    assert len(rows) == 2 * 3 * 2, rows
+    for _, dtype, M, stages, barriers in rows:
+        assert int(barriers) <= (11 if stages == "5" else 16), (dtype, M, stages, barriers)
+    assert {row[3] for row in rows} == {"4", "5"}, rows  # the table's entries use the piece rings
+
+
 def test_the_wgmma_prefill_kernels_take_a_from_registers():
     """The wgmma prefill kernels (both dtypes, the table's configs: narrow and wide W13 programs)
     compile for sm_90 within 255 registers and no stack, multiply with HGMMA whose A operand is registers, store nothing to

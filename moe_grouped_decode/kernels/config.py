@@ -153,7 +153,7 @@ class PrefillConfig:
     w13_block_k: int = 32  # dot: W13's reduction rows per step (a divisor or a multiple of G); wgmma: 32, 64, 128 or 256
     w2_block_n: int = 128  # dot: output columns per W2 program
     w13_stages: int = 3  # dot: software-pipeline depth of W13's steps (w13_block_k rows each); wgmma: ring depth
-    w2_stages: int = 3  # dot, wgmma: the same for W2
+    w2_stages: int = 3  # dot, wgmma: the same for W2 (wgmma: N / 32 stages, one allocation per piece)
     # wgmma: W13's scales and zero words requested a step ahead, so their global-load latency
     # overlaps the previous step (as W2 always does); 11-15 more registers, which at 32- and 64-row
     # groups cost W13 programs per SM
@@ -203,19 +203,20 @@ def prefill_candidates() -> Tuple[PrefillConfig, ...]:
     128-row groups, each with six W13 variants (gate columns, reduction rows per step, warps,
     pipeline depth) paired with six W2 variants (columns, warps, depth), and two over 256-row
     groups; the wgmma kernels over 8- to 128-row groups, W13's scales a step ahead or not, W13's
-    programs wide or narrow. W13 and W2 are timed apart (sort + W13, then the
-    rest), so the pairing costs no coverage."""
+    programs wide or narrow, W2's ring one stage per piece up to 32-row groups (measured faster
+    there at 128-1024 tokens on the H200; 64-row groups not measured with it). W13 and W2 are
+    timed apart (sort + W13, then the rest), so the pairing costs no coverage."""
     w13 = ((32, 32, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (32, 128, 4, 3))
     w2 = ((128, 8, 3), (256, 8, 3), (64, 4, 3), (128, 4, 3), (256, 4, 3), (64, 8, 2))
     dot = [(rows, a, b) for rows in (32, 64, 128) for a, b in zip(w13, w2)]
     dot += [(256, (64, 32, 8, 3), (128, 8, 3)), (256, (32, 64, 8, 3), (256, 8, 2))]
-    wgmma = [(8, 64, 3, 4, True, "wide"), (8, 64, 3, 4, True, "narrow"),
-             (16, 32, 4, 4, False, "wide"), (16, 64, 3, 4, False, "wide"), (16, 64, 3, 4, True, "wide"),
-             (8, 128, 3, 4, True, "narrow"), (8, 128, 2, 4, True, "narrow"), (8, 256, 2, 4, True, "narrow"),
-             (16, 64, 3, 4, True, "narrow"), (16, 64, 4, 4, True, "narrow"),
-             (16, 128, 3, 4, True, "narrow"), (32, 128, 3, 4, False, "narrow"),
-             (32, 32, 4, 4, False, "wide"), (32, 64, 3, 4, False, "wide"), (32, 64, 3, 4, True, "wide"),
-             (32, 64, 3, 4, False, "narrow"), (64, 32, 4, 4, False, "wide"),
+    wgmma = [(8, 64, 3, 5, True, "wide"), (8, 64, 3, 5, True, "narrow"),
+             (16, 32, 4, 5, False, "wide"), (16, 64, 3, 5, False, "wide"), (16, 64, 3, 5, True, "wide"),
+             (8, 128, 3, 5, True, "narrow"), (8, 128, 2, 5, True, "narrow"), (8, 256, 2, 5, True, "narrow"),
+             (16, 64, 3, 5, True, "narrow"), (16, 64, 4, 5, True, "narrow"),
+             (16, 128, 3, 5, True, "narrow"), (32, 128, 3, 5, False, "narrow"),
+             (32, 32, 4, 5, False, "wide"), (32, 64, 3, 5, False, "wide"), (32, 64, 3, 5, True, "wide"),
+             (32, 64, 3, 5, False, "narrow"), (64, 32, 4, 4, False, "wide"),
              (64, 64, 3, 4, False, "wide"), (64, 64, 4, 4, False, "wide"), (64, 64, 4, 4, False, "narrow"),
              (128, 32, 3, 3, False, "wide")]
     return (PrefillConfig(token_blocks=1), PrefillConfig(token_blocks=2)) + tuple(

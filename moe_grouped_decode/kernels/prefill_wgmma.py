@@ -18,6 +18,7 @@ them, so their latency overlaps work::
            -> act[sorted position, cols] = silu(gate) * up, in the activation dtype
     [W2]   program (group, TILES_PER_PROGRAM tiles of 128 output columns): the group's act rows
            [BLOCK_ROWS, N] copied once to shared memory, then per tile N / 32 pieces as W13's
+           (a ring of N / 32 stages keeps each piece in an allocation of its own: fewer barriers)
            -> row_out[routed row, cols] in the activation dtype
     then the combine (combine.py), as the other prefill kernels.
 
@@ -453,10 +454,22 @@ if HOPPER_AVAILABLE:
         words_src = qweight_ptr + expert * (N * PACKED) + ck * PACKED + first_tile * 16 + cw
         copy_ok = (cw >= 0) & (ck >= 0)
         STEPS: gl.constexpr = TILES_PER_PROGRAM * SUB
-        ring_words = gl.allocate_shared_memory(gl.int32, [STAGES, 32, 16], _RING_WORDS)
+        # a ring of as many stages as a tile has pieces: piece s always in stage s, one allocation
+        # each (the compiler puts a barrier between two copies into one allocation)
+        PIECE_RINGS: gl.constexpr = STAGES == SUB
+        if PIECE_RINGS:
+            piece_words = ()
+            for p in gl.static_range(SUB):
+                piece_words += (gl.allocate_shared_memory(gl.int32, [32, 16], _RING_WORDS),)
+        else:
+            ring_words = gl.allocate_shared_memory(gl.int32, [STAGES, 32, 16], _RING_WORDS)
         for p in gl.static_range(STAGES - 1):  # before the wait for W13 (PDL): the weights are not W13's
             if p < STEPS:
-                _w2_copy_piece(p, ring_words, words_src, first_tile, copy_ok, PACKED, TILES, SUB, STAGES)
+                if PIECE_RINGS:
+                    async_copy.async_copy_global_to_shared(piece_words[p], words_src + p * 32 * PACKED,
+                                                           mask=(first_tile < TILES) & copy_ok)
+                else:
+                    _w2_copy_piece(p, ring_words, words_src, first_tile, copy_ok, PACKED, TILES, SUB, STAGES)
         wait_for_previous_launch(USE_PDL)
         let_next_launch_start(USE_PDL)
         # the group's act rows (contiguous: act is in sorted positions), once: [SUB, rows, 32]; one
@@ -497,10 +510,21 @@ if HOPPER_AVAILABLE:
                 z_lo, z_hi = _zero_pairs(a_zw, zero_pick, IS_BF16)
                 _wait_for_step(STAGES)
                 if j + STAGES - 1 < STEPS:
-                    _w2_copy_piece(j + STAGES - 1, ring_words, words_src, first_tile, copy_ok, PACKED, TILES, SUB,
-                                   STAGES)
+                    if PIECE_RINGS:  # this tile's last piece (s = 0) or the next tile's piece s - 1, into
+                        # stage s - 1 (mod SUB), whose wgmma every thread waited for
+                        nj = j + STAGES - 1
+                        async_copy.async_copy_global_to_shared(piece_words[(s + SUB - 1) % SUB],
+                                                               words_src + ((s + SUB - 1) % SUB) * 32 * PACKED
+                                                               + (nj // SUB) * 16,
+                                                               mask=(first_tile + nj // SUB < TILES) & copy_ok)
+                    else:
+                        _w2_copy_piece(j + STAGES - 1, ring_words, words_src, first_tile, copy_ok, PACKED, TILES, SUB,
+                                       STAGES)
                 async_copy.commit_group()
-                words = ring_words.index(j % STAGES).load(_WORDS2)
+                if PIECE_RINGS:
+                    words = piece_words[s].load(_WORDS2)
+                else:
+                    words = ring_words.index(j % STAGES).load(_WORDS2)
                 a = _dequantize(words, z_lo, z_hi, a_lo, a_hi, pick, IS_BF16, a_layout)
                 acc = warpgroup_mma(a, act_smem.index(s).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
