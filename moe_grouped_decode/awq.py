@@ -172,6 +172,14 @@ def slice_tp(full: AwqMoeWeights, rank: int, world_size: int) -> AwqMoeWeights:
     )
 
 
+def slice_ep(full: AwqMoeWeights, expert_map: torch.Tensor) -> AwqMoeWeights:
+    """The experts one rank holds under expert parallelism, at their local ids, as vLLM's loader
+    places them: ``expert_map[g]`` is global expert g's local id there, or -1 (another rank's)."""
+    held = sorted((local, g) for g, local in enumerate(expert_map.tolist()) if local >= 0)
+    index = torch.tensor([g for _, g in held])
+    return AwqMoeWeights(*(t[index].clone() for t in full.tensors()), full.group_size)
+
+
 def _random_packed(generator: torch.Generator, shape) -> torch.Tensor:
     """Uniform random int4 nibbles, packed: random bytes reinterpreted as int32."""
     *lead, packed_cols = shape

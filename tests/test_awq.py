@@ -9,6 +9,7 @@ from moe_grouped_decode.awq import (
     pack_int4,
     quantize,
     regroup,
+    slice_ep,
     slice_tp,
     synthetic_moe_weights,
     to_hub_expert_tensors,
@@ -108,6 +109,18 @@ def test_slice_tp_matches_slicing_dequantized_weights(rank):
         up = w13_full[:, full_n + rank * n : full_n + (rank + 1) * n]
         assert torch.equal(w13, torch.cat([gate, up], dim=1))
         assert torch.equal(w2, w2_full[rank * n : (rank + 1) * n])
+
+
+def test_slice_ep_holds_each_ranks_experts_at_their_local_ids():
+    """Round-robin over two ranks (global 1, 3, 5 -> local 0, 1, 2 on rank 1): each local expert
+    is its global expert's tensors, bit for bit, and no other."""
+    full = synthetic_moe_weights(**FULL, seed=8)
+    expert_map = torch.tensor([-1, 0, -1, 1, -1, 2], dtype=torch.int32)
+    shard = slice_ep(full, expert_map)
+    assert shard.num_experts == 3 and shard.intermediate_size == full.intermediate_size
+    for local, g in ((0, 1), (1, 3), (2, 5)):
+        for part, whole in zip(shard.tensors(), full.tensors()):
+            assert torch.equal(part[local], whole[g])
 
 
 def test_tp_shards_sum_to_the_full_layer():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_grouped_decode.awq import AwqMoeWeights, synthetic_moe_weights
+from moe_grouped_decode.awq import AwqMoeWeights, slice_ep, synthetic_moe_weights
 from moe_grouped_decode.ops import alloc_workspace, error_stats, local_expert_ids, reference_moe
 
 pytestmark = [
@@ -44,13 +44,6 @@ def expert_map(rank: int, placement: str) -> torch.Tensor:
         held = experts % EP == rank
         local = experts // EP
     return torch.where(held, local, -1).to(torch.int32)
-
-
-def shard(weights: AwqMoeWeights, mapping: torch.Tensor) -> AwqMoeWeights:
-    """The experts a rank holds, at their local ids."""
-    held = sorted((int(local), g) for g, local in enumerate(mapping.tolist()) if local >= 0)
-    index = torch.tensor([g for _, g in held])
-    return AwqMoeWeights(*(t[index].clone() for t in weights.tensors()), weights.group_size)
 
 
 @pytest.fixture(scope="module", params=[torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -91,7 +84,7 @@ def run_rank(x, tw, ids, local_cuda: AwqMoeWeights, mapping, workspace):
 def test_ep_ranks_sum_to_the_global_layer(global_layer, workspace, placement):
     dtype = global_layer.dtype
     maps = [expert_map(rank, placement) for rank in range(EP)]
-    shards = [shard(global_layer, m) for m in maps]
+    shards = [slice_ep(global_layer, m) for m in maps]
     gen = torch.Generator().manual_seed(7)
     # the grouped op at 1..8 tokens, the prefill route above (96: ~20 rows per expert)
     cases = [(M, *routing(M, gen, num_picked=E if M <= WINDOW else 48)) for M in (1, 3, 8, 96)]
@@ -118,7 +111,7 @@ def test_ep_ranks_sum_to_the_global_layer(global_layer, workspace, placement):
 def test_ep_rank_replays_with_new_global_routing(global_layer, workspace, M):
     """The id mapping and the grouped op captured in one CUDA graph; replays read new global ids."""
     rank, mapping = 2, expert_map(2, "linear")
-    local_cpu = shard(global_layer, mapping)
+    local_cpu = slice_ep(global_layer, mapping)
     local = local_cpu.to("cuda")
     gen = torch.Generator().manual_seed(M)
     ids, tw = routing(M, gen)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_grouped_decode.awq import AwqMoeWeights, synthetic_moe_weights
+from moe_grouped_decode.awq import AwqMoeWeights, slice_ep, synthetic_moe_weights
 from moe_grouped_decode.contract import Admission, LayerShape, ShapeContract, admits, contract_registered
 from moe_grouped_decode.ops import alloc_workspace, error_stats, reference_moe
 
@@ -48,13 +48,6 @@ def lookup(ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
     table = expert_map.tolist()
     return torch.tensor([[table[g] if 0 <= g < len(table) else -1 for g in row] for row in ids.tolist()],
                         dtype=torch.int32).view(ids.shape)
-
-
-def shard(weights: AwqMoeWeights, expert_map: torch.Tensor) -> AwqMoeWeights:
-    """The experts this rank holds, at their local ids, as vLLM's loader places them."""
-    held = sorted((local, g) for g, local in enumerate(expert_map.tolist()) if local >= 0)
-    index = torch.tensor([g for _, g in held])
-    return AwqMoeWeights(*(t[index].clone() for t in weights.tensors()), weights.group_size)
 
 
 def fake_layer(weights: AwqMoeWeights, expert_map, name="model.layers.0.mlp.experts"):
@@ -146,7 +139,7 @@ def test_apply_with_an_expert_map_is_the_ops_on_local_ids(global_layer, placemen
     or that names no expert, adds nothing (checked against the reference with those slots' weights
     zeroed), and a token none of whose experts is here gets exactly 0."""
     expert_map = vllm_expert_map(2, ep_rank, placement)
-    local = shard(global_layer, expert_map)
+    local = slice_ep(global_layer, expert_map)
     layer = fake_layer(local, expert_map)
     contract = ShapeContract("ep-apply-test", E // 2, TOP_K, K, N, G, min_tokens=2, max_tokens=8, dtypes=(torch.float16,))
     method = method_for(E // 2, contract)
@@ -213,7 +206,7 @@ def test_ep_ranks_summed_are_the_global_layer(global_layer, ep_size, placement):
     partials = []
     for rank in range(ep_size):
         expert_map = vllm_expert_map(ep_size, rank, placement)
-        partials.append(method.apply(fake_layer(shard(global_layer, expert_map), expert_map), x, tw, ids, None, None))
+        partials.append(method.apply(fake_layer(slice_ep(global_layer, expert_map), expert_map), x, tw, ids, None, None))
     total = sum(p.double() for p in partials)
     scale = reference.abs().max()
     assert ((total - reference).abs().max() / scale) <= SCALED_MAX_ABS_BOUND
