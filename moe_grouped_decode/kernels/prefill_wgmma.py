@@ -231,11 +231,11 @@ if HOPPER_AVAILABLE:
             _w13_copy_rows(step, u, ring_rows, rows_src, row_ok, STAGES, SUB)
 
     @gluon.jit
-    def _w2_copy_piece(j, ring_words, words_src, first_tile, copy_ok, PACKED: gl.constexpr, TILES: gl.constexpr,
-                       SUB: gl.constexpr, STAGES: gl.constexpr):
-        """W2 piece j's words (tile j // SUB, reduction rows 32 (j % SUB) ..) into its ring stage."""
-        async_copy.async_copy_global_to_shared(ring_words.index(j % STAGES),
-                                               words_src + (j % SUB) * 32 * PACKED + (j // SUB) * 16,
+    def _w2_copy_piece(j, piece, stage, words_src, first_tile, copy_ok, PACKED: gl.constexpr, TILES: gl.constexpr,
+                       SUB: gl.constexpr):
+        """W2 piece j's words (tile j // SUB, reduction rows 32 ``piece`` .., piece = j % SUB, given
+        as a constant where the caller knows it) into the shared buffer ``stage``."""
+        async_copy.async_copy_global_to_shared(stage, words_src + piece * 32 * PACKED + (j // SUB) * 16,
                                                mask=(first_tile + j // SUB < TILES) & copy_ok)
 
     @gluon.jit
@@ -465,11 +465,8 @@ if HOPPER_AVAILABLE:
             ring_words = gl.allocate_shared_memory(gl.int32, [STAGES, 32, 16], _RING_WORDS)
         for p in gl.static_range(STAGES - 1):  # before the wait for W13 (PDL): the weights are not W13's
             if p < STEPS:
-                if PIECE_RINGS:
-                    async_copy.async_copy_global_to_shared(piece_words[p], words_src + p * 32 * PACKED,
-                                                           mask=(first_tile < TILES) & copy_ok)
-                else:
-                    _w2_copy_piece(p, ring_words, words_src, first_tile, copy_ok, PACKED, TILES, SUB, STAGES)
+                stage = piece_words[p] if PIECE_RINGS else ring_words.index(p % STAGES)
+                _w2_copy_piece(p, p % SUB, stage, words_src, first_tile, copy_ok, PACKED, TILES, SUB)
         wait_for_previous_launch(USE_PDL)
         let_next_launch_start(USE_PDL)
         # the group's act rows (contiguous: act is in sorted positions), once: [SUB, rows, 32]; one
@@ -512,14 +509,12 @@ if HOPPER_AVAILABLE:
                 if j + STAGES - 1 < STEPS:
                     if PIECE_RINGS:  # this tile's last piece (s = 0) or the next tile's piece s - 1, into
                         # stage s - 1 (mod SUB), whose wgmma every thread waited for
-                        nj = j + STAGES - 1
-                        async_copy.async_copy_global_to_shared(piece_words[(s + SUB - 1) % SUB],
-                                                               words_src + ((s + SUB - 1) % SUB) * 32 * PACKED
-                                                               + (nj // SUB) * 16,
-                                                               mask=(first_tile + nj // SUB < TILES) & copy_ok)
+                        _w2_copy_piece(j + STAGES - 1, (s + SUB - 1) % SUB, piece_words[(s + SUB - 1) % SUB],
+                                       words_src, first_tile, copy_ok, PACKED, TILES, SUB)
                     else:
-                        _w2_copy_piece(j + STAGES - 1, ring_words, words_src, first_tile, copy_ok, PACKED, TILES, SUB,
-                                       STAGES)
+                        nj = j + STAGES - 1
+                        _w2_copy_piece(nj, nj % SUB, ring_words.index(nj % STAGES), words_src, first_tile, copy_ok,
+                                       PACKED, TILES, SUB)
                 async_copy.commit_group()
                 if PIECE_RINGS:
                     words = piece_words[s].load(_WORDS2)
