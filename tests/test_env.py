@@ -10,7 +10,7 @@ from moe_grouped_decode.env import (GLUON_W13_ENV, GROUPED_DECODE_ENV, LEGACY_EN
 @pytest.fixture(autouse=True)
 def no_switches_set(monkeypatch):
     """Each test starts from an environment without any switch, under either name."""
-    for name in (*SWITCH_ENVS, *LEGACY_ENV_NAMES.values()):
+    for name in (*SWITCH_ENVS, *LEGACY_ENV_NAMES.values(), "MOE_GROUPED_DECODE_FORCE"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -145,3 +145,38 @@ def test_ids_debug_mode_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv(CHECK_IDS_ENV, "maybe")
     with pytest.raises(ValueError, match=CHECK_IDS_ENV):
         check_ids()
+
+
+@pytest.mark.parametrize("value, forced", [(None, False), ("", False), ("0", False), ("1", True), ("yes", True)])
+def test_force_default_off(monkeypatch, value, forced):
+    from moe_grouped_decode.env import FORCE_ENV, force_plugin
+
+    set_or_unset(monkeypatch, FORCE_ENV, value)
+    assert force_plugin() is forced
+
+
+@pytest.mark.parametrize("switch", ["1", None])
+def test_force_goes_with_the_switch_on_or_unset(monkeypatch, switch):
+    from moe_grouped_decode.env import FORCE_ENV, force_plugin
+
+    monkeypatch.setenv(FORCE_ENV, "1")
+    set_or_unset(monkeypatch, GROUPED_DECODE_ENV, switch)
+    assert force_plugin()
+
+
+@pytest.mark.parametrize("name", [GROUPED_DECODE_ENV, LEGACY_ENV_NAMES[GROUPED_DECODE_ENV]])
+def test_force_and_rollback_contradict(monkeypatch, name):
+    from moe_grouped_decode.env import FORCE_ENV, force_plugin
+
+    monkeypatch.setenv(FORCE_ENV, "1")
+    monkeypatch.setenv(name, "0")
+    with pytest.raises(ValueError, match=f"MOE_GROUPED_DECODE_FORCE=1 and {name}=0 contradict"):
+        force_plugin()
+
+
+def test_force_rejects_unknown_values(monkeypatch):
+    from moe_grouped_decode.env import FORCE_ENV, force_plugin
+
+    monkeypatch.setenv(FORCE_ENV, "always")
+    with pytest.raises(ValueError, match="MOE_GROUPED_DECODE_FORCE='always'"):
+        force_plugin()

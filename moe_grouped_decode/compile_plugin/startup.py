@@ -13,9 +13,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..contract import Admission, LayerShape, admits
-from ..env import (GROUPED_DECODE_ENV, GroupedDecodeMode, batch_invariant, gluon_w13_enabled, grouped_decode_mode,
-                   switch_setting)
+from ..contract import Admission, LayerChoice, LayerShape, admits
+from ..env import (FORCE_ENV, GROUPED_DECODE_ENV, GroupedDecodeMode, batch_invariant, force_plugin, gluon_w13_enabled,
+                   grouped_decode_mode, switch_setting)
 from ..kernels import MIN_CUDA_CAPABILITY
 
 logger = logging.getLogger("moe_grouped_decode")
@@ -76,13 +76,14 @@ def check_switch(device_type: str, capability: Optional[Tuple[int, int]] = None)
     """
     mode = grouped_decode_mode()
     gluon_w13_enabled()  # parsed now: a bad value fails at startup, not at the first decode step
+    force = force_plugin()  # and a force that contradicts the rollback
     if mode is GroupedDecodeMode.OFF:
         return False
     missing = kernels_unavailable_reason(device_type, capability)
     if missing is None:
         return True
-    if mode is GroupedDecodeMode.REQUIRED:
-        name = switch_setting(GROUPED_DECODE_ENV)[0]  # the name the user set, old or new
+    if mode is GroupedDecodeMode.REQUIRED or force:
+        name = switch_setting(GROUPED_DECODE_ENV)[0] if mode is GroupedDecodeMode.REQUIRED else FORCE_ENV
         raise RuntimeError(
             f"{name}=1 requires the grouped decode kernels, which cannot run on "
             f"this {device_type} platform: {missing}. Unset {name} to fall back "
@@ -94,8 +95,16 @@ def check_switch(device_type: str, capability: Optional[Tuple[int, int]] = None)
 @dataclass(frozen=True)
 class LayerDecision:
     shape: LayerShape
-    admission: Admission  # falsy: served dense only, or left to vLLM
-    served_by_plugin: bool
+    choice: LayerChoice
+    vllm_backend: Optional[str]  # what vLLM's own selection answered for the layer (None: no backend here)
+
+    @property
+    def admission(self) -> Admission:  # falsy: the plugin's dense route, or vLLM's method
+        return self.choice.admission
+
+    @property
+    def served_by_plugin(self) -> bool:
+        return self.choice.served_by_plugin
 
 
 # layer name -> what was decided when the model was built (this process)
@@ -104,10 +113,24 @@ _loaded_layers: set = set()
 _reported = False
 
 
+_left_to_vllm_logged: set = set()
+
+
 def record_layer(layer_name: str, decision: LayerDecision) -> None:
-    """Remember a layer's decision (made while vLLM builds the model)."""
+    """Remember a layer's decision (made while vLLM builds the model). A layer left to vLLM is
+    said at once, once per shape and reason: vLLM's own method loads it, so the summary that the
+    plugin's layers log once loaded may never come."""
     LAYER_DECISIONS[layer_name] = decision
-    logger.debug("%s: %s (%s)", layer_name, "admitted" if decision.admission else "not admitted", decision.admission.reason)
+    logger.debug("%s: %s (%s)", layer_name, decision.choice.route, decision.choice.reason)
+    key = (decision.shape, decision.vllm_backend, decision.choice.reason)
+    if not decision.served_by_plugin and key not in _left_to_vllm_logged:
+        _left_to_vllm_logged.add(key)
+        s = decision.shape
+        logger.info("moe_grouped_decode: MoE layers of shape E=%d k=%d K=%d N=%d G=%d %s (first: %s) left to vLLM's "
+                    "own %s backend: %s. %s=1 serves them with the plugin anyway, unmeasured; `python -m "
+                    "moe_grouped_decode tune` measures the shape on this GPU", s.num_experts, s.top_k, s.hidden_size,
+                    s.intermediate_size, s.group_size, str(s.dtype).removeprefix("torch."), layer_name,
+                    decision.vllm_backend, decision.choice.reason, FORCE_ENV)
 
 
 def layer_loaded(layer_name: str) -> None:
@@ -125,34 +148,32 @@ def layer_loaded(layer_name: str) -> None:
 
 
 def summary() -> str:
-    """One line: which layers were admitted under which contract, and what the rest do."""
+    """One line: which layers the plugin serves (under which contract, or dense) and which it
+    leaves to vLLM's own backend, with the reasons."""
     by_contract: Dict[str, list] = {}
-    dense, vllm_own = [], []
+    dense: Dict[str, list] = {}
+    vllm_own: Dict[str, list] = {}
     for name, decision in LAYER_DECISIONS.items():
         if decision.admission:
             by_contract.setdefault(decision.admission.contract.name, []).append(name)
         elif decision.served_by_plugin:
-            dense.append(name)
+            dense.setdefault(decision.choice.reason, []).append(name)
         else:
-            vllm_own.append(name)
+            vllm_own.setdefault(f"{decision.vllm_backend}: {decision.choice.reason}", []).append(name)
+
     def routes(names) -> str:
         if batch_invariant():
             return "batch-invariant mode: the prefill route at every token count"
-        c = LAYER_DECISIONS[names[0]].admission.contract
-        return f"grouped route for {c.min_tokens}..{c.max_tokens} tokens"
+        d = LAYER_DECISIONS[names[0]]
+        c = d.admission.contract
+        return f"grouped route for {c.min_tokens}..{c.max_tokens} tokens; {d.choice.reason}"
 
     parts = [f"{len(names)} MoE layer(s) admitted under contract {contract!r} ({routes(names)}): {_names(names)}"
              for contract, names in by_contract.items()]
-    if dense:
-        parts.append(f"{len(dense)} served dense by the plugin (vLLM has no backend here): {_names(dense)}")
-    if vllm_own:
-        parts.append(f"{len(vllm_own)} left to vLLM's own method: {_names(vllm_own)}")
-    if not parts:
-        return "no MoE layers seen"
-    reasons = {d.admission.reason for d in LAYER_DECISIONS.values() if not d.admission}
-    if reasons:
-        parts.append("not admitted because: " + " | ".join(sorted(reasons)))
-    return "; ".join(parts)
+    parts += [f"{len(names)} served by the plugin's dense route ({why}): {_names(names)}"
+              for why, names in dense.items()]
+    parts += [f"{len(names)} left to vLLM's own backend {why}: {_names(names)}" for why, names in vllm_own.items()]
+    return "; ".join(parts) if parts else "no MoE layers seen"
 
 
 def _names(names) -> str:

