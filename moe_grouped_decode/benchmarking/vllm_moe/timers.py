@@ -24,8 +24,6 @@ def _layers_and_shape(awq_layers, group_size: int, top_k: int):
     for i, t in enumerate(tensors):
         if MoeShape.of_awq_layer(t, group_size, top_k) != shape:
             raise ValueError(f"layer {i} is not of the first layer's shape {shape}")
-        if not all(v.is_cuda for v in t.values()):
-            raise ValueError(f"layer {i}: the AWQ tensors must be on the GPU")
     return tensors, shape
 
 
@@ -94,6 +92,8 @@ def time_vllm_backend_rows(awq_layers, group_size: int, Ms: Sequence[int], dtype
     if unsupported:
         return {b: f"not measured: vLLM 0.32 runs this layer ({shape}) through MoeWNA16, not its AWQ MoE "
                    f"backends: {unsupported}" for b in backends}
+    if not all(t.is_cuda for layer in tensors for t in layer.values()):
+        raise ValueError("the AWQ tensors must be on the GPU")
     device = tensors[0]["w13_qweight"].device
     inputs = _inputs(shape, list(Ms), dtype, len(tensors), xs, plans, seed, device)
     results: Dict[str, Union[List[Dict], str]] = {}
