@@ -67,9 +67,14 @@ needs_sources = pytest.mark.skipif(not sources.vllm_src_complete(SOURCES),
 
 
 def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """A file as a module; sys.path as it was (the anchors put their folder on it)."""
+    saved = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
     return module
 
 
