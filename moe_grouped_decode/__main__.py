@@ -1,4 +1,5 @@
-"""Command line: ``python -m moe_grouped_decode {demo,bench} [options]`` (``COMMAND --help`` lists them)."""
+"""Command line: ``python -m moe_grouped_decode {demo,bench,vllm-moe-fetch} [options]`` (``COMMAND --help``
+lists them)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 COMMANDS = {
     "demo": "the main job: operator check, then vLLM with the plugin on and off",
     "bench": "CUDA benchmark at every token count: the plugin's routes beside vLLM's own backends and the floors",
+    "vllm-moe-fetch": "fetch the vLLM 0.32 sources and Humming wheel that time vLLM's MoE backends (.vllm_moe_src)",
 }
 
 
@@ -16,6 +18,8 @@ def main(argv=None) -> int:
     if argv and argv[0] in COMMANDS:
         if argv[0] == "demo":
             from .demo import main as command_main
+        elif argv[0] == "vllm-moe-fetch":
+            from .benchmarking.vllm_moe.sources import main as command_main
         else:
             from .benchmarking.bench import main as command_main
         return command_main(argv[1:])
