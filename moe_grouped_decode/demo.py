@@ -41,7 +41,7 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, generator: tor
 
 
 # decode sizes; on a GPU also both sides of the qwen3.8-tp4 grouped window's top (1..64 on the
-# route table's GPU) and a prefill size (the float64 reference takes minutes there on 2 CPU cores)
+# preferred GPU's table) and a prefill size (the float64 reference takes minutes there on 2 CPU cores)
 OPERATOR_CHECK_TOKENS = (1, 2, 3, 4, 8, 9, 16)
 GPU_OPERATOR_CHECK_TOKENS = OPERATOR_CHECK_TOKENS + (64, 65, 128)
 

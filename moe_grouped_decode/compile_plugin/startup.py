@@ -56,13 +56,13 @@ def device_capability(platform) -> Optional[Tuple[int, int]]:
 
 
 def device_name(platform) -> Optional[str]:
-    """The GPU's name as the route table keys it (vLLM's CUDA platform asks NVML, so this does not
+    """The GPU's name as the measured tables key it (vLLM's CUDA platform asks NVML, so this does not
     initialize CUDA in the calling process); None off CUDA or where the platform cannot say."""
     if platform.device_type != "cuda":
         return None
     try:
         return platform.get_device_name()
-    except Exception:  # a platform without NVML: the route table's default GPU applies
+    except Exception:  # a platform without NVML: no table is this GPU's (vLLM keeps the layers)
         return None
 
 

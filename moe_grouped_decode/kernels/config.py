@@ -5,11 +5,12 @@ W13 split, warps and kernels (the tile shapes place the reductions), so one shap
 count always use one config, and the position-independence of a token's bits holds within it.
 One field also sets W2's precision (``w2_act_split``); the autotune never varies it.
 
-The tables live in ``configs/grouped_<contract>.json`` beside this file, one entry per (GPU,
-kernel family, dtype, M): the kernel family is ``gluon`` where Gluon runs and ``tl`` where it
-does not (``plan.gluon_runs``), each with its own measured winners. A GPU with no entries of
-its own uses the file's ``default_gpu`` entries. Each file names the command that made it;
-docs/PERF.md says why each entry won. The opt-in autotune (``MOE_GROUPED_DECODE_TUNE=1``,
+The tables are the measured tables' launch tables (``moe_grouped_decode/tables.py``: one per
+GPU model, layer shape and dtype, written by ``python -m moe_grouped_decode tune``), one grouped
+entry per (kernel family, M): the kernel family is ``gluon`` where Gluon runs and ``tl`` where it
+does not (``plan.gluon_runs``), each with its own measured winners; and one prefill entry per M.
+A GPU with no table of its own for a shape uses another GPU's (``tables.config_table``); a shape
+no GPU measured runs the defaults. docs/PERF.md says why the shipped entries won. The opt-in autotune (``MOE_GROUPED_DECODE_TUNE=1``,
 ``ops.autotune``) writes the same entry format to a cache under ``~/.cache/moe_grouped_decode``
 (or ``$MOE_GROUPED_DECODE_CACHE``), one file per kernel version, GPU name and Triton version.
 """
@@ -23,12 +24,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Optional, Tuple
+
+from .. import tables as measured_tables
 
 # (E, k, K, N, G): what a table or cache entry is keyed by besides GPU, kernel family, dtype and M
 Shape = Tuple[int, int, int, int, int]
 KERNEL_FAMILIES = ("gluon", "tl")
-TABLE_DIR = Path(__file__).resolve().parent / "configs"
 
 # Part of the tuning cache's file name: a kernel change that moves the timings bumps it, so
 # configs tuned for older kernels are not read back.
@@ -274,38 +276,16 @@ def read_entries(entries: Iterable) -> Dict[EntryKey, GroupedConfig]:
 # --------------------------------------------------------------------------- the measured tables
 
 
-@dataclass(frozen=True)
-class Table:
-    contract: str
-    default_gpu: str
-    generator: str
-    entries: Dict[EntryKey, GroupedConfig]
-
-
-def _read_table(path: Path) -> Table:
-    data = json.loads(path.read_text())
-    return Table(data["contract"], data["default_gpu"], data["generator"], read_entries(data["entries"]))
-
-
-_tables: Optional[List[Table]] = None
-
-
-def tables() -> List[Table]:
-    """Every table file beside this module, read once."""
-    global _tables
-    if _tables is None:
-        _tables = [_read_table(path) for path in sorted(TABLE_DIR.glob("grouped_*.json"))]
-    return _tables
-
-
 def table_config(shape: Shape, gpu_name: str, kernels: str, dtype_name: str, num_tokens: int) -> Optional[GroupedConfig]:
-    """The measured config for one key: the GPU's own entry, else the table's default GPU's."""
-    for table in tables():
-        for gpu in (gpu_name, table.default_gpu):
-            config = table.entries.get((tuple(shape), gpu, kernels, dtype_name, num_tokens))
-            if config is not None:
-                return config
-    return None
+    """The measured config for one key, from the GPU's table of the shape (or the table
+    ``tables.config_table`` falls back to): the kernel family's entry of the smallest M at or
+    above ``num_tokens``; None above the largest (the default config serves there)."""
+    table = measured_tables.config_table(gpu_name, tuple(shape), dtype_name)
+    if table is None:
+        return None
+    entries = sorted((e for e in table.grouped if e.get("kernels") == kernels), key=lambda e: e["M"])
+    entry = next((e for e in entries if e["M"] >= num_tokens), None)
+    return None if entry is None else config_from_fields(entry.get("config"))
 
 
 # --------------------------------------------------------------------------- the autotune cache
@@ -381,35 +361,26 @@ def grouped_config(shape: Shape, gpu_name: str, kernels: str, dtype_name: str, n
     return config.fitted(shape[2])
 
 
-_prefill_tables: Optional[List[dict]] = None
-
-
-def _prefill_table_files() -> List[dict]:
-    global _prefill_tables
-    if _prefill_tables is None:
-        _prefill_tables = [json.loads(path.read_text()) for path in sorted(TABLE_DIR.glob("prefill_*.json"))]
-    return _prefill_tables
-
-
 def prefill_table_token_counts() -> Tuple[int, ...]:
-    """Every token count at which some prefill table's config changes (its entries' M)."""
-    return tuple(sorted({int(e["M"]) for table in _prefill_table_files() for e in table["entries"]}))
+    """Every token count at which some prefill launch table's config changes (its entries' M)."""
+    return tuple(sorted({int(e["M"]) for table in measured_tables.all_tables() for e in table.prefill}))
+
+
+def prefill_config(shape: Shape, gpu_name: str, dtype_name: str, num_tokens: int) -> PrefillConfig:
+    """The prefill route's config for one shape and token count: the table entry of the smallest
+    M at or above ``num_tokens`` (the largest entry above them all) in the GPU's table of the
+    shape (or the one ``tables.config_table`` falls back to); the default elsewhere."""
+    return _prefill_config(tuple(shape), gpu_name, dtype_name, num_tokens, measured_tables.generation())
 
 
 @functools.lru_cache(maxsize=4096)
-def prefill_config(shape: Shape, gpu_name: str, dtype_name: str, num_tokens: int) -> PrefillConfig:
-    """The prefill route's config for one shape and token count: the table entry of the smallest
-    M at or above ``num_tokens`` (the largest entry above them all) for the GPU, else for the
-    table's default GPU; the default elsewhere."""
-    for table in _prefill_table_files():
-        for gpu in (gpu_name, table["default_gpu"]):
-            entries = sorted((e for e in table["entries"]
-                              if tuple(e["shape"]) == tuple(shape) and e["gpu"] == gpu and e["dtype"] == dtype_name),
-                             key=lambda e: e["M"])
-            if entries:
-                entry = next((e for e in entries if e["M"] >= num_tokens), entries[-1])
-                return PrefillConfig(**entry["config"])
-    return PrefillConfig()
+def _prefill_config(shape: Shape, gpu_name: str, dtype_name: str, num_tokens: int, generation: int) -> PrefillConfig:
+    table = measured_tables.config_table(gpu_name, shape, dtype_name)
+    entries = sorted(table.prefill, key=lambda e: e["M"]) if table is not None else []
+    if not entries:
+        return PrefillConfig()
+    entry = next((e for e in entries if e["M"] >= num_tokens), entries[-1])
+    return PrefillConfig(**entry["config"])
 
 
 def grouped_candidates(capability: Tuple[int, int], kernels: str) -> Tuple[GroupedConfig, ...]:
