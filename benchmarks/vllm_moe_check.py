@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from moe_grouped_decode.awq import synthetic_moe_weights  # noqa: E402
-from moe_grouped_decode.benchmarking.bench import load_anchor, random_layer_inputs, rotated_layers  # noqa: E402
+from moe_grouped_decode.benchmarking.bench import random_layer_inputs, rotated_layers  # noqa: E402
 from moe_grouped_decode.benchmarking.vllm_moe import marlin_build, ops as vllm_ops  # noqa: E402
 from moe_grouped_decode.benchmarking.vllm_moe import time_vllm_backend_rows  # noqa: E402
 from moe_grouped_decode.benchmarking.vllm_moe.humming import (HummingExperts, HummingLayer,  # noqa: E402
@@ -48,6 +48,19 @@ from moe_grouped_decode.benchmarking.vllm_moe.humming import (HummingExperts, Hu
 from moe_grouped_decode.benchmarking.vllm_moe.marlin import MarlinRunner, make_locks, prepare_marlin_layer  # noqa: E402
 from moe_grouped_decode.benchmarking.vllm_moe.shape import MoeShape, awq_tensors  # noqa: E402
 from moe_grouped_decode.benchmarking.vllm_moe.timing import random_routing  # noqa: E402
+
+def load_anchor(anchors_dir: Path, name: str):
+    """The shared harness ``anchors_dir/name/bench.py`` (../shared/anchors) as a module."""
+    import importlib.util
+
+    os.environ["ANCHOR_SRC"] = str(Path(anchors_dir).resolve())
+    path = Path(anchors_dir) / name / "bench.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_anchor", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 QWEN = MoeShape(512, 10, 2560, 160, 32)
 QWEN_MS = (1, 8, 256, 1024)

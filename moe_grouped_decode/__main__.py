@@ -1,5 +1,5 @@
-"""Command line: ``python -m moe_grouped_decode {demo,bench,vllm-moe-fetch} [options]`` (``COMMAND --help``
-lists them)."""
+"""Command line: ``python -m moe_grouped_decode {demo,tune,tables,bench,vllm-moe-fetch} [options]``
+(``COMMAND --help`` lists them)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import sys
 
 COMMANDS = {
     "demo": "the main job: operator check, then vLLM with the plugin on and off",
+    "tune": "measure a layer shape on this GPU against vLLM's own backends; write its table and verdict",
+    "tables": "the measured tables' verdicts: which shapes the plugin serves on which GPU, and why",
     "bench": "CUDA benchmark at every token count: the plugin's routes beside vLLM's own backends and the floors",
     "vllm-moe-fetch": "fetch the vLLM 0.32 sources and Humming wheel that time vLLM's MoE backends (.vllm_moe_src)",
 }
@@ -18,6 +20,10 @@ def main(argv=None) -> int:
     if argv and argv[0] in COMMANDS:
         if argv[0] == "demo":
             from .demo import main as command_main
+        elif argv[0] == "tune":
+            from .benchmarking.tune import main as command_main
+        elif argv[0] == "tables":
+            from .benchmarking.supported import main as command_main
         elif argv[0] == "vllm-moe-fetch":
             from .benchmarking.vllm_moe.sources import main as command_main
         else:

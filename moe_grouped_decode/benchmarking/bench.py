@@ -13,8 +13,8 @@ Columns, measured in the same run on the same weights, routing and activations:
   plugin       the route the plugin runs at this M for the layer (contract.admits: grouped
                where it admits M, prefill elsewhere), and its time
   humming      vLLM 0.32's HUMMING MoE backend (what stock vLLM picks on an H200), and
-  marlin       its MARLIN backend, through the harnesses in --anchors (../shared/anchors,
-               fetched by its fetch_sources.py); not measured without them
+  marlin       its MARLIN backend, through benchmarking.vllm_moe (an installed vLLM 0.32's
+               ops, else built from --vllm-sources); not measured with --no-vllm
   floor1       the read floor: one launch streaming exactly the active experts' bytes
   floor2       the same after a compaction launch (two dependent launches, as the grouped
                op has), up to M = 32
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -79,40 +78,26 @@ def layer_flops(M: int, top_k: int, K: int, N: int) -> float:
     return 2.0 * M * top_k * (K * 2 * N + N * K)
 
 
-def load_anchor(anchors_dir: Path, name: str):
-    """The shared harness ``anchors_dir/name/bench.py`` (../shared/anchors) as a module."""
-    os.environ["ANCHOR_SRC"] = str(anchors_dir.resolve())
-    path = anchors_dir / name / "bench.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_anchor", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def time_anchors(anchors_dir: Optional[Path], layers, inputs: Dict[int, tuple], dtype, reps: int) -> Dict:
+def time_vllm(sources: Optional[str], layers, inputs: Dict[int, tuple], dtype, reps: int) -> Dict:
     """{backend: {M: us}} of vLLM's Marlin and Humming MoE on the bench's own weights and inputs
-    (Marlin first: Humming then reuses its align op), or {backend: error} where it cannot run."""
+    (benchmarking.vllm_moe: an installed vLLM 0.32's ops, else built from ``sources``), or
+    {backend: why not} where one cannot run here."""
+    from .vllm_moe import time_vllm_backends
+
     results: Dict[str, object] = {}
-    if anchors_dir is None:
-        return {name: "not measured (no --anchors)" for name in ("marlin", "humming")}
-    awq = [{name: getattr(w, name) for name in ("w13_qweight", "w13_scales", "w13_qzeros", "w2_qweight", "w2_scales",
-                                               "w2_qzeros")} for w in layers]
-    for name in ("marlin", "humming"):
-        try:
-            module = load_anchor(anchors_dir, f"{name}_moe")
-            times = {}
-            for count in sorted({len(v[0]) for v in inputs.values()}):
-                Ms = [M for M, v in inputs.items() if len(v[0]) == count]
-                rows = module.time_backend(awq[:count], Ms=Ms, dtypes=[dtype], reps=reps,
-                                           xs={M: inputs[M][2][0] for M in Ms},
-                                           plans={M: list(zip(inputs[M][0], inputs[M][1])) for M in Ms})
-                times.update({row["M"]: row["full"]["us"] for row in rows})
-            results[name] = times
-            print(f"[bench] {name}: " + ", ".join(f"M={M} {us:.1f}" for M, us in sorted(times.items())), flush=True)
-        except Exception as exc:  # an anchor that cannot build or run here leaves its column empty, said why
-            results[name] = f"not measured: {type(exc).__name__}: {exc}"[:300]
-            print(f"[bench] {name}: {results[name]}", flush=True)
+    for count in sorted({len(v[0]) for v in inputs.values()}):
+        Ms = [M for M, v in inputs.items() if len(v[0]) == count]
+        times = time_vllm_backends(layers[:count], layers[0].group_size, Ms, dtype, reps,
+                                   xs={M: inputs[M][2][0] for M in Ms},
+                                   plans={M: list(zip(inputs[M][0], inputs[M][1])) for M in Ms}, sources=sources)
+        for name, value in times.items():
+            if not isinstance(value, dict):
+                results[name] = value
+            elif isinstance(results.setdefault(name, {}), dict):
+                results[name].update(value)
+    for name, value in results.items():
+        shown = value if isinstance(value, str) else ", ".join(f"M={M} {us:.1f}" for M, us in sorted(value.items()))
+        print(f"[bench] {name}: {shown}", flush=True)
     return results
 
 
@@ -176,7 +161,8 @@ def run(args) -> Dict:
         row["plugin_us"] = row.get(f"{plugin_route}_us")
         rows.append(row)
         torch.cuda.empty_cache()
-    anchors = time_anchors(Path(args.anchors) if args.anchors else None, layers, inputs, dtype, args.reps)
+    anchors = (time_vllm(args.vllm_sources, layers, inputs, dtype, args.reps) if args.vllm else
+               {name: "not measured (--no-vllm)" for name in ("humming", "marlin")})
     for row in rows:
         for name in ("humming", "marlin"):
             times = anchors[name]
@@ -206,7 +192,7 @@ def run(args) -> Dict:
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "python": platform.python_version(),
-        "anchors": {name: (value if isinstance(value, str) else "measured") for name, value in anchors.items()},
+        "vllm_backends": {name: (value if isinstance(value, str) else "measured") for name, value in anchors.items()},
         "w13_kernel": _w13_kernel_name(),
         "batch_invariant": env.batch_invariant(),
         "rows": rows,
@@ -393,26 +379,6 @@ def _prefill_breakdown(args, layers, gen) -> List[Dict]:
     return results
 
 
-def write_routes(result: Dict, path: Path) -> tuple:
-    """Set this GPU's grouped window of the contract in the route table at ``path``: the longest
-    run of measured M from the smallest up where the grouped op is at least as fast as the
-    prefill route (beyond the last measured M of the run the prefill route serves). A path that
-    does not exist yet starts as a copy of the packaged table."""
-    window_top = None
-    for row in result["rows"]:
-        if row.get("grouped_us") is None or row["grouped_us"] > row["prefill_us"]:
-            break
-        window_top = row["M"]
-    if window_top is None:
-        raise SystemExit("bench --write-routes: the grouped op is slower than the prefill route at the smallest M")
-    from ..contract import ROUTES_PATH
-
-    table = json.loads((path if path.exists() else ROUTES_PATH).read_text())
-    table[result["contract"]]["gpus"][result["gpu"]] = {"grouped_tokens": [1, window_top]}
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    return 1, window_top
-
-
 def _fmt(value, spec):
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -435,7 +401,7 @@ def markdown(result: Dict) -> str:
         f"window {result['grouped_window'][0]}..{result['grouped_window'][1]}"
         + ("; batch-invariant mode (the prefill route, one config, at every M)" if result.get("batch_invariant") else "")
         + "; vLLM's backends: "
-        + ", ".join(f"{name} {status}" for name, status in result["anchors"].items()),
+        + ", ".join(f"{name} {status}" for name, status in result["vllm_backends"].items()),
         "",
         "| M | plugin route | plugin | humming | marlin | speedup vs vLLM's faster | grouped | prefill | read floor "
         "| compute floor | plugin / floor |",
@@ -497,15 +463,15 @@ def main(argv=None) -> int:
                         help="token counts (every column at each; 128..384 finely, where the routes and vLLM's "
                         "backends cross)")
     parser.add_argument("--grouped-max", type=int, default=1024,
-                        help="the grouped op and floor2 up to this M (past the grouped window's top, 160 on the "
-                             "H200, so --write-routes sees both sides of it)")
+                        help="the grouped op and floor2 up to this M")
     parser.add_argument("--layers", type=int, default=32, help="layers of distinct weights rotated in one graph (>= 32 keeps L2 cold)")
     parser.add_argument("--large-from", type=int, default=1024, help="from this M on, time --large-layers layers")
     parser.add_argument("--large-layers", type=int, default=8, help="layers rotated from --large-from on")
     parser.add_argument("--reps", type=int, default=30, help="graph replays per column (the median is reported)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp16")
-    parser.add_argument("--anchors", default="", help="the shared anchors' folder (fetch_sources.py DEST) for the "
-                        "humming and marlin columns")
+    parser.add_argument("--vllm-sources", default=".vllm_moe_src", help="vLLM's fetched sources (python -m "
+                        "moe_grouped_decode vllm-moe-fetch), where vLLM 0.32 is not installed with its CUDA ops")
+    parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="leave out vLLM's backends")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="tensor-core rate of the compute floor")
     parser.add_argument("--out", default="artifacts/bench", help="output directory (JSON, Markdown, PNG)")
     parser.add_argument("--breakdown", default="", help="token counts at which to time each grouped stage alone (e.g. 2,8)")
@@ -513,8 +479,6 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-sweep", default="", help="token counts at which to time the prefill route under each "
                         "of --prefill-configs")
     parser.add_argument("--prefill-breakdown", default="", help="token counts at which to time the prefill route's stages")
-    parser.add_argument("--write-routes", default="", help="set this GPU's grouped window in this route table "
-                        "(moe_grouped_decode/routes.json) from the measured grouped and prefill columns")
     parser.add_argument("--prefill-configs", default="candidates",
                         help="PrefillConfigs as TOKEN_BLOCKS,W13_WARPS,W2_WARPS;... or FIELD=VALUE,...;...; "
                         "'candidates': kernels.config.prefill_candidates()")
@@ -532,9 +496,5 @@ def main(argv=None) -> int:
     (out / "bench.md").write_text(table)
     plot(result, out / "bench.png")
     print(table)
-    if args.write_routes:
-        window = write_routes(result, Path(args.write_routes))
-        print(f"[bench] {args.write_routes}: {result['contract']} on {result['gpu']}: grouped route for "
-              f"{window[0]}..{window[1]} tokens", flush=True)
     print(f"[bench] wrote {out}/bench.json, bench.md, bench.png in {result['seconds']:.0f}s", flush=True)
     return 0

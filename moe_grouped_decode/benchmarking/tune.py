@@ -1,0 +1,632 @@
+"""``python -m moe_grouped_decode tune``: measure one MoE layer shape on this GPU against vLLM's
+own backends and write its measured table (route table + launch tables), the verdict and a plot.
+
+    python -m moe_grouped_decode tune /path/to/awq-moe-checkpoint [--tensor-parallel-size 4]
+                                      [--enable-expert-parallel] [--dtype bf16]
+    python -m moe_grouped_decode tune --shape 128,8,2048,768,128 --dtype fp16
+
+The shape is what one rank holds: from a checkpoint's ``config.json`` (experts, top-k, hidden,
+MoE intermediate size, AWQ group size, dtype) and the parallelism as vLLM takes it (tensor
+parallel splits each expert's intermediate size; expert parallel gives each rank E / size whole
+experts), or given as ``E,k,K,N,G``. On the current GPU, side by side in one process on the
+same synthetic weights, routing and activations, L2 kept cold by rotating layers of distinct
+weights through one CUDA graph:
+
+1. search: the grouped op's launch configs at a few token counts up to ``--grouped-max``, the
+   prefill route's at a few counts above (each candidate checked against the prefill route's
+   default output first; a wrong one is dropped, said why);
+2. measure: at every token count of the grid (1..``--max-tokens``, 16384 by default: vLLM's
+   compile ranges reach it), the grouped op (up to ``--grouped-max``) and the prefill route
+   under the configs found, and vLLM's MARLIN and HUMMING MoE backends (through the installed
+   vLLM where it has its compiled ops, else the project's harnesses over vLLM's fetched
+   sources, ``--vllm-sources``); then once more between neighbours whose margin is thin, so
+   the grid brackets every crossing;
+3. decide: the grouped window (the longest run of counts from 1 where the grouped op is the
+   faster route), the plugin's route and time per count, the verdict (``tables.verdict``:
+   admitted only if faster than every vLLM backend at every count).
+
+Writes the measured table to a user's cache (``tables.cache_dir``, keyed by GPU, shape, dtype
+and the torch / Triton / vLLM versions), which the vLLM plugin reads at startup, or with
+``--ship`` to the package's ``tables/``; and ``--report-dir``'s JSON, Markdown and plot. A shape
+takes about 3-5 minutes on one GPU (``--budget-s`` cuts the search short, never the
+measurement). Progress is printed as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .. import tables
+
+# token counts timed on every route (to --max-tokens): every count where decode batches live,
+# then about three a doubling, where the routes and vLLM's backends cross
+DEFAULT_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
+                  512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+GROUPED_SEARCH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+PREFILL_SEARCH_TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+# between two measured counts whose margin over vLLM is below this, one more count is measured
+THIN_MARGIN = 1.05
+SCALED_DIFF_BOUND = 2e-3  # a candidate config must agree with the prefill route's default this well
+# the bytes one token's experts span over a layer rotation, at least (several times an H100's /
+# H200's L2, so even one-token steps read cold weights); and the rotation's weights at most per
+# copy (vLLM's backends keep copies of their own beside ours)
+COLD_BYTES, MAX_ROTATION_BYTES = 256e6, 12e9
+
+_CONFIG_KEYS = {
+    "experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+    "top_k": ("num_experts_per_tok", "moe_top_k", "top_k"),
+    "intermediate": ("moe_intermediate_size", "intermediate_size"),
+}
+
+
+# --------------------------------------------------------------------------- the layer's shape
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    shape: tables.Shape  # what one rank holds: (E, k, K, N, G)
+    dtype: str  # "fp16" or "bf16"
+    name: str  # a label for people
+
+
+def _first(config: dict, keys: Iterable[str], what: str, path: str):
+    for key in keys:
+        if config.get(key):
+            return config[key]
+    raise ValueError(f"{path}: no {what} ({' / '.join(keys)}) in config.json")
+
+
+def spec_from_checkpoint(directory: Path, tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                         dtype: Optional[str] = None) -> LayerSpec:
+    """One rank's MoE layer of the AWQ checkpoint in ``directory`` under vLLM's parallelism:
+    tensor parallel splits each expert's intermediate size N by ``tensor_parallel_size``;
+    expert parallel (vLLM's ``--enable-expert-parallel``, over the same ranks) gives each rank
+    E / size whole experts instead."""
+    path = Path(directory) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: cannot read it ({error}); pass a Hugging Face checkpoint directory") from None
+    text = config.get("text_config") or config
+    quant = config.get("quantization_config") or text.get("quantization_config") or {}
+    if str(quant.get("quant_method", "")).lower() != "awq" or int(quant.get("bits", quant.get("w_bit", 0))) != 4:
+        raise ValueError(f"{path}: not an AWQ 4-bit checkpoint (quantization_config {quant or 'missing'})")
+    E = int(_first(text, _CONFIG_KEYS["experts"], "expert count", str(path)))
+    k = int(_first(text, _CONFIG_KEYS["top_k"], "experts per token", str(path)))
+    N = int(_first(text, _CONFIG_KEYS["intermediate"], "MoE intermediate size", str(path)))
+    K = int(_first(text, ("hidden_size",), "hidden size", str(path)))
+    G = int(quant.get("group_size", quant.get("q_group_size", 128)))
+    size = max(1, int(tensor_parallel_size))
+    if enable_expert_parallel:
+        if E % size:
+            raise ValueError(f"{path}: {E} experts do not split over {size} expert-parallel ranks")
+        E_rank, N_rank = E // size, N
+    else:
+        if N % size:
+            raise ValueError(f"{path}: intermediate size {N} does not split over {size} tensor-parallel ranks")
+        E_rank, N_rank = E, N // size
+    torch_dtype = str(text.get("torch_dtype") or config.get("torch_dtype") or "float16")
+    dtype = dtype or ("bf16" if "bfloat16" in torch_dtype else "fp16")
+    parallel = f"{'EP' if enable_expert_parallel else 'TP'}{size}"
+    name = f"{Path(directory).resolve().name}-{parallel.lower()}"
+    return LayerSpec((E_rank, k, K, N_rank, G), dtype, name)
+
+
+def spec_from_shape(text: str, dtype: str, name: Optional[str] = None) -> LayerSpec:
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 5 or min(shape) < 1:
+        raise ValueError(f"--shape {text!r}: give E,k,K,N,G (experts, top-k, hidden, intermediate per rank, group), "
+                         "e.g. 128,8,2048,768,128")
+    return LayerSpec(shape, dtype, name or "x".join(map(str, shape)))
+
+
+def check_spec(spec: LayerSpec) -> None:
+    """What the plugin's kernels take: K, N and G multiples of 32, G dividing K and N, k <= E."""
+    E, k, K, N, G = spec.shape
+    problems = [f"{what}={v} is not a multiple of 32" for what, v in (("K", K), ("N", N), ("G", G)) if v % 32]
+    problems += [f"G={G} does not divide {what}={v}" for what, v in (("K", K), ("N", N)) if v % G]
+    if k > E:
+        problems.append(f"k={k} > E={E}")
+    if problems:
+        raise ValueError(f"shape {spec.shape}: " + "; ".join(problems) + " (the plugin's kernels cannot serve it)")
+
+
+# --------------------------------------------------------------------------- the decisions (pure)
+
+
+def token_grid(max_tokens: int, extra: Sequence[int] = ()) -> Tuple[int, ...]:
+    """The default counts up to ``max_tokens``, ``max_tokens`` itself and ``extra``."""
+    return tuple(sorted({m for m in DEFAULT_TOKENS if m <= max_tokens} | {max_tokens} | set(extra)))
+
+
+def grouped_window(tokens: Sequence[int], grouped_us: Sequence[Optional[float]],
+                   prefill_us: Sequence[float]) -> Optional[Tuple[int, int]]:
+    """(1, hi): the longest run of measured counts from the smallest (which must be 1) where the
+    grouped op is at least as fast as the prefill route; None where it loses at 1 token. A win
+    after a loss does not count: the window is one range."""
+    hi = None
+    for m, grouped, prefill in zip(tokens, grouped_us, prefill_us):
+        if grouped is None or grouped > prefill:
+            break
+        hi = m
+    return None if hi is None or tokens[0] != 1 else (1, hi)
+
+
+def thin_pairs(tokens: Sequence[int], speedups: Sequence[Optional[float]], margin: float = THIN_MARGIN) -> List[int]:
+    """A count between each pair of neighbours (their geometric mean) where either side's
+    speedup over vLLM is below ``margin`` or they straddle 1, not yet measured."""
+    new = []
+    for (a, sa), (b, sb) in zip(zip(tokens, speedups), zip(tokens[1:], speedups[1:])):
+        if b - a < 2 or sa is None or sb is None:
+            continue
+        if min(sa, sb) < margin or (sa - 1) * (sb - 1) < 0:
+            mid = round(math.sqrt(a * b))
+            if a < mid < b:
+                new.append(mid)
+    return sorted(set(new) - set(tokens))
+
+
+def route_table(tokens: Sequence[int], grouped_us: Sequence[Optional[float]], prefill_us: Sequence[float],
+                vllm_us: Dict[str, Sequence[Optional[float]]]) -> tables.RouteTable:
+    window = grouped_window(tokens, grouped_us, prefill_us)
+    routes = tuple("grouped" if window and m <= window[1] else "prefill" for m in tokens)
+    plugin = tuple(g if r == "grouped" else p for r, g, p in zip(routes, grouped_us, prefill_us))
+    return tables.RouteTable(tokens=tuple(tokens), routes=routes, plugin_us=plugin,
+                             vllm_us={b: tuple(v) for b, v in vllm_us.items()}, grouped_tokens=window)
+
+
+def launch_table_entries(best: Dict[int, object], family: Optional[str] = None) -> Tuple[dict, ...]:
+    """Launch-table entries from {M: config}: an entry serves every M up to its own."""
+    entries = []
+    for M in sorted(best):
+        entry = {"M": M, "config": dataclasses.asdict(best[M])}
+        entries.append({"kernels": family, **entry} if family else entry)
+    return tuple(entries)
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """One line per step: a bar, the step, seconds so far and an estimate of what is left."""
+
+    def __init__(self, total: int, out=sys.stdout):
+        self.total, self.done, self.started, self.out = max(1, total), 0, time.time(), out
+
+    def add(self, steps: int) -> None:
+        self.total += steps
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        elapsed = time.time() - self.started
+        left = elapsed / self.done * (self.total - self.done)
+        filled = int(24 * self.done / self.total)
+        print(f"[tune] [{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} {what} "
+              f"({elapsed:.0f} s, ~{left:.0f} s left)", file=self.out, flush=True)
+
+
+# --------------------------------------------------------------------------- measuring
+
+Clock = Callable[[Callable[[int], None], int, tuple], float]  # (step, calls, key) -> us per call
+
+
+@dataclass
+class Measurement:
+    """The weights, inputs and clocks one tune runs on (the GPU's by default; tests give their own)."""
+
+    spec: LayerSpec
+    layers: list  # AwqMoeWeights of distinct weights, rotated through every timing
+    clock: Clock
+    vllm_timer: Callable[[Dict[int, tuple]], Dict[str, object]]  # {M: inputs} -> {backend: {M: us} or why not}
+    device: object
+    large_layers: int = 8  # layers rotated where every expert is read (large M)
+    seed: int = 0
+
+    def inputs(self, M: int):
+        """Routing and activations for ``M`` tokens on each rotated layer, the same for every route."""
+        import torch
+
+        from .bench import random_layer_inputs
+
+        E, k, K, _, _ = self.spec.shape
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + M)
+        return random_layer_inputs(M, k, E, K, self.count(M), self.layers[0].w13_scales.dtype, self.device, gen)
+
+    def count(self, M: int) -> int:
+        E, k = self.spec.shape[:2]
+        return len(self.layers) if M * k < 4 * E else min(len(self.layers), self.large_layers)
+
+
+def _scaled_diff(out, want) -> float:
+    want = want.float()
+    return ((out.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def plausible_prefill(candidates: Sequence, M: int, shape: tables.Shape) -> list:
+    """The prefill candidates worth timing at ``M``: groups of rows from an eighth to four times
+    the rows an active expert has on average (smaller ones dequantize its weights too often,
+    larger ones are mostly padding), at least the two nearest to it."""
+    E, k = shape[:2]
+    rows = max(1.0, M * k / min(E, M * k))
+
+    def distance(config) -> float:
+        return abs(math.log2(config.group_rows / rows))
+
+    near = sorted(candidates, key=distance)
+    return [c for c in candidates if rows / 8 <= c.group_rows <= 4 * rows or c in near[:2]]
+
+
+def search(measure: Measurement, route: str, token_counts: Sequence[int], candidates: Sequence, progress: Progress,
+           deadline: float, log=print) -> Dict[int, object]:
+    """The fastest of ``candidates`` at each count (``route``: "grouped" or "prefill"), among
+    those whose output on the first layer agrees with the prefill route's default config. A
+    config that cannot run at this shape is dropped from the rest of the search, said why. Past
+    ``deadline`` (time.time()) the search stops: the counts left keep the config the op would
+    run without this tune (another GPU's table, or the default), said so."""
+    import torch
+
+    from ..kernels import config as kernel_config
+    from ..kernels import device_name, plan
+    from ..ops import alloc_workspace, launch_grouped, launch_prefill
+
+    E, k, K, N, G = measure.spec.shape
+    dtype = measure.layers[0].w13_scales.dtype
+    best, broken = {}, set()
+    workspace = alloc_workspace(max(token_counts), k, K, N, measure.device) if route == "grouped" else None
+    for M in token_counts:
+        ids, tws, xs = measure.inputs(M)
+        outs = [torch.empty_like(x) for x in xs]
+        want = torch.empty_like(xs[0])
+        launch_prefill(xs[0], tws[0], ids[0], measure.layers[0], want, kernel_config.PrefillConfig())
+        timed = []
+        worth = plausible_prefill(candidates, M, measure.spec.shape) if route == "prefill" else candidates
+        for config in candidates:
+            progress.step(f"search {route} M={M}")
+            if time.time() > deadline or config in broken or config not in worth:
+                continue
+            if route == "grouped":
+                fitted = config.fitted(K)
+
+                def step(i, config=fitted):
+                    launch_grouped(xs[i], tws[i], ids[i], measure.layers[i], workspace, outs[i], config)
+            else:
+                def step(i, config=config):
+                    launch_prefill(xs[i], tws[i], ids[i], measure.layers[i], outs[i], config)
+            outs[0].fill_(float("nan"))
+            try:
+                step(0)
+            except Exception as error:  # a config this shape cannot take (too much shared memory, ...)
+                broken.add(config)
+                log(f"[tune] {route}: {config} does not run at this shape: {type(error).__name__}: {error}"[:400])
+                continue
+            diff = _scaled_diff(outs[0], want)
+            if not diff <= SCALED_DIFF_BOUND:
+                log(f"[tune] {route} M={M}: {config} disagrees with the prefill route (scaled diff {diff:.1e}): dropped")
+                continue
+            timed.append((measure.clock(step, measure.count(M), (route, M, config)), config))
+        if timed:
+            us, best[M] = min(timed, key=lambda t: t[0])
+            log(f"[tune] {route} M={M}: {us:.2f} us/layer with {best[M]}")
+        else:
+            shape = measure.spec.shape
+            best[M] = (plan.config_for(shape, dtype, M, measure.device) if route == "grouped" else
+                       kernel_config.prefill_config(shape, device_name(measure.device), measure.spec.dtype, M))
+            log(f"[tune] {route} M={M}: not searched (budget spent or no candidate ran): keeps {best[M]}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return best
+
+
+@dataclass
+class Timings:
+    """What one count measured: the grouped op (None past --grouped-max), the prefill route and
+    each vLLM backend (None where it was not measured)."""
+
+    grouped_us: Optional[float]
+    prefill_us: float
+    vllm_us: Dict[str, Optional[float]]
+
+
+def time_routes(measure: Measurement, tokens: Sequence[int], grouped_max: int, progress: Progress,
+                missing: dict) -> Dict[int, Timings]:
+    """Each count of ``tokens`` on the grouped op (up to ``grouped_max``), the prefill route and
+    vLLM's backends, as the runtime runs them: the ops themselves, their configs looked up in the
+    draft table the caller registered. A vLLM backend that cannot run here is said in ``missing``."""
+    import torch
+
+    from ..ops import alloc_workspace
+
+    E, k, K, N, G = measure.spec.shape
+    ops = torch.ops.moe_grouped_decode
+    grouped_counts = [m for m in tokens if m <= grouped_max]
+    workspace = alloc_workspace(max(grouped_counts), k, K, N, measure.device) if grouped_counts else None
+    out, inputs = {}, {}
+    for M in tokens:
+        ids, tws, xs = inputs[M] = measure.inputs(M)
+        grouped = None
+        if M <= grouped_max:
+            progress.step(f"grouped M={M}")
+            grouped = measure.clock(lambda i: ops.awq_moe_grouped_decode(
+                xs[i], tws[i], ids[i], *measure.layers[i].op_args(), workspace), measure.count(M), ("grouped", M))
+        progress.step(f"prefill M={M}")
+        prefill = measure.clock(lambda i: ops.awq_moe_dense(xs[i], tws[i], ids[i], *measure.layers[i].op_args()),
+                                measure.count(M), ("prefill", M))
+        out[M] = Timings(grouped, prefill, {})
+    progress.step(f"vLLM's backends at {len(tokens)} counts")
+    for backend, times in measure.vllm_timer(inputs).items():
+        if not isinstance(times, dict):
+            missing[backend] = times
+            times = {}
+        for M in tokens:
+            out[M].vllm_us[backend] = times.get(M)
+    return out
+
+
+def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: int = tables.LARGEST_STEP,
+         grouped_max: int = 256, budget_s: float = 200.0, refine: bool = True, generator: str = "",
+         grouped_candidates: Sequence = (), prefill_candidates: Sequence = (), family: str = "gluon",
+         log=print) -> Tuple[tables.MeasuredTable, dict]:
+    """Search, measure and decide (module docstring); returns the table and what could not be
+    measured ({"missing": {backend: why}})."""
+    tokens = token_grid(max_tokens)
+    grouped_search = [m for m in GROUPED_SEARCH_TOKENS if m <= grouped_max]
+    prefill_search = sorted({m for m in PREFILL_SEARCH_TOKENS if m <= max_tokens} | {max_tokens})
+    progress = Progress(len(grouped_search) * len(grouped_candidates) + len(prefill_search) * len(prefill_candidates)
+                        + len(tokens) + sum(m <= grouped_max for m in tokens) + 1)
+    # each route's search gets its share of the budget (new shapes compile every candidate first)
+    started = time.time()
+    grouped_share = budget_s * len(grouped_search) / max(1, len(grouped_search) + len(prefill_search))
+    best_grouped = search(measure, "grouped", grouped_search, grouped_candidates, progress, started + grouped_share, log)
+    best_prefill = search(measure, "prefill", prefill_search, prefill_candidates, progress, started + budget_s, log)
+
+    def table_of(timings: Dict[int, Timings]) -> tables.MeasuredTable:
+        counts = sorted(timings)
+        backends = sorted({b for t in timings.values() for b in t.vllm_us})
+        routes = route_table(counts, [timings[m].grouped_us for m in counts], [timings[m].prefill_us for m in counts],
+                             {b: [timings[m].vllm_us.get(b) for m in counts] for b in backends})
+        return tables.MeasuredTable(gpu=gpu, shape=measure.spec.shape, dtype=measure.spec.dtype, name=measure.spec.name,
+                                    generator=generator, versions=versions, routes=routes,
+                                    grouped=launch_table_entries(best_grouped, family),
+                                    prefill=launch_table_entries(best_prefill))
+
+    missing: dict = {}
+    with tables.table_registered(table_of({1: Timings(None, 0.0, {})})):  # the ops look configs up here, as at run time
+        timings = time_routes(measure, tokens, grouped_max, progress, missing)
+        more = thin_pairs(sorted(timings), table_of(timings).routes.speedups()) if refine else []
+        if more:
+            log(f"[tune] thin margins: {len(more)} counts more between neighbours: {more}")
+            progress.add(len(more) + sum(m <= grouped_max for m in more) + 1)
+            timings.update(time_routes(measure, more, grouped_max, progress, missing))
+    return table_of(timings), {"missing": missing, "timings": {m: dataclasses.asdict(t) for m, t in timings.items()}}
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def grouped_candidates(capability, family: str) -> list:
+    """The grouped op's search space for a new shape: every config the shipped tables hold for this
+    kernel family, the default with W13 splits of 128, 256 and 512 rows, per routed row and over
+    the sort's groups (one and two 8-row blocks a program)."""
+    from ..kernels.config import GroupedConfig, config_from_fields
+
+    found = [config_from_fields(e["config"]) for t in tables.shipped_tables() for e in t.grouped
+             if e.get("kernels") == family]
+    base = GroupedConfig() if family == "gluon" else GroupedConfig().as_tl()
+    found += [dataclasses.replace(base, w13_block_k=rows) for rows in (256, 128, 512)]
+    found += [dataclasses.replace(base, w13_over_groups=True, group_blocks=blocks) for blocks in (1, 2)]
+    return list(dict.fromkeys(c for c in found if c is not None))
+
+
+def prefill_candidates(capability) -> list:
+    """The prefill route's search space. On Hopper the wgmma kernels: every config the shipped
+    tables hold and one per group size from 8 to 128 rows; elsewhere the mma kernels over 8- and
+    16-row groups and the dot kernels over 32 to 128 (``kernels.config.prefill_candidates``'s
+    first variants)."""
+    from ..kernels.config import PrefillConfig, prefill_candidates as all_candidates
+
+    if tuple(capability) >= (9, 0):
+        found = [PrefillConfig(**e["config"]) for t in tables.shipped_tables() for e in t.prefill]
+        found = [c for c in found if c.kernel == "wgmma"]
+        found += [PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3, w2_stages=4)
+                  for rows in (8, 16, 32, 64)]
+        found += [PrefillConfig(kernel="wgmma", block_rows=128, w13_block_k=32, w13_stages=3, w2_stages=3)]
+    else:
+        found = [c for c in all_candidates() if c.kernel == "mma"]
+        seen_rows: set = set()
+        for c in all_candidates():
+            if c.kernel == "dot" and c.block_rows <= 128 and c.block_rows not in seen_rows:
+                seen_rows.add(c.block_rows)
+                found.append(c)
+    return list(dict.fromkeys(found))
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def markdown(table: tables.MeasuredTable, verdict: tables.Verdict) -> str:
+    r = table.routes
+    backends = list(r.vllm_us)
+    lines = [f"# {table.name}: E={table.shape[0]} k={table.shape[1]} K={table.shape[2]} N={table.shape[3]} "
+             f"G={table.shape[4]} {table.dtype} on {table.gpu}", "",
+             f"Verdict: **{'admitted' if verdict.admitted else 'not admitted'}**: {verdict.reason}", "",
+             f"Grouped window: {r.grouped_tokens or 'none (the prefill route at every M)'}; `{table.generator}`", "",
+             "| M | route | plugin us | " + " | ".join(f"{b} us" for b in backends) + " | speedup |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in backends) + " | --- |"]
+    for i, (m, route, us, s) in enumerate(zip(r.tokens, r.routes, r.plugin_us, r.speedups())):
+        cells = " | ".join("n/a" if r.vllm_us[b][i] is None else f"{r.vllm_us[b][i]:.1f}" for b in backends)
+        shown = "n/a" if s is None else (f"**{s:.2f}x**" if s > 1 else f"{s:.2f}x")
+        lines.append(f"| {m} | {route} | {us:.1f} | {cells} | {shown} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: tables.MeasuredTable, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = table.routes
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    points = [(m, s) for m, s in zip(r.tokens, r.speedups()) if s is not None]
+    ax.plot([m for m, _ in points], [s for _, s in points], "o-", label="vLLM's faster backend / plugin")
+    ax.axhline(1.0, color="grey", lw=1)
+    if r.grouped_tokens:
+        ax.axvspan(r.grouped_tokens[0], r.grouped_tokens[1], color="tab:green", alpha=0.1, label="grouped route")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per step (M)")
+    ax.set_ylabel("speedup over vLLM (>1: plugin faster)")
+    ax.set_title(f"{table.name} ({'x'.join(map(str, table.shape))} {table.dtype}) on {table.gpu}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- the GPU run
+
+
+def versions() -> Dict[str, str]:
+    import torch
+    import triton
+
+    from .vllm_moe.ops import VLLM_SERIES, installed_vllm_version
+    from .vllm_moe.sources import VLLM_VERSION
+
+    installed = installed_vllm_version()
+    # the vLLM whose kernels the table was measured against: an installed 0.32, else the fetched sources'
+    vllm_version = installed if installed and installed.startswith(VLLM_SERIES) else f"{VLLM_VERSION} (sources)"
+    return {"torch": torch.__version__, "triton": triton.__version__, "vllm": vllm_version}
+
+
+def rotation_layers(spec: LayerSpec, device) -> list:
+    """Layers of distinct synthetic weights: enough that one token's k experts over the rotation
+    span COLD_BYTES (L2 stays cold at every M), at least 4 and at most 32, within
+    MAX_ROTATION_BYTES."""
+    import torch
+
+    from ..awq import synthetic_moe_weights
+
+    E, k, K, N, G = spec.shape
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
+    per_expert = K * 2 * N // 2 + N * K // 2 + (K // G * 2 * N + N // G * K) * (2 + 1 / 4)
+    count = int(min(32, max(4, math.ceil(COLD_BYTES / (k * per_expert))), max(1, MAX_ROTATION_BYTES // (E * per_expert))))
+    return [synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=1000 + i, device=device) for i in range(count)]
+
+
+def run(args, spec: LayerSpec) -> int:
+    import torch
+
+    from ..kernels import cuda_capability, device_name, plan
+    from .replay import graph_replay_us
+    from .vllm_moe import time_vllm_backends
+
+    device = torch.device("cuda")
+    gpu, capability = device_name(device), cuda_capability(device)
+    ver = versions()
+    print(f"[tune] {spec.name}: E={spec.shape[0]} k={spec.shape[1]} K={spec.shape[2]} N={spec.shape[3]} "
+          f"G={spec.shape[4]} {spec.dtype} on {gpu} ({', '.join(f'{k} {v}' for k, v in ver.items())})", flush=True)
+    started = time.time()
+    layers = rotation_layers(spec, device)
+    print(f"[tune] {len(layers)} layers of distinct weights rotated per timing", flush=True)
+
+    def clock(step, calls, key):
+        return graph_replay_us(step, calls, args.reps)
+
+    def vllm_timer(inputs):
+        """vLLM's backends on the tune's own weights, routing and activations (the first layer's x)."""
+        out: dict = {}
+        for count in sorted({len(ids) for ids, _, _ in inputs.values()}):
+            Ms = [M for M, (ids, _, _) in inputs.items() if len(ids) == count]
+            times = time_vllm_backends(layers[:count], spec.shape[4], Ms, layers[0].w13_scales.dtype, args.reps,
+                                       xs={M: inputs[M][2][0] for M in Ms},
+                                       plans={M: list(zip(inputs[M][0], inputs[M][1])) for M in Ms},
+                                       sources=args.vllm_sources)
+            for backend, value in times.items():
+                if not isinstance(value, dict):
+                    out[backend] = value  # a backend that cannot run here says why
+                elif isinstance(out.setdefault(backend, {}), dict):
+                    out[backend].update(value)
+        return out
+
+    measure = Measurement(spec, layers, clock, vllm_timer, device, large_layers=args.large_layers)
+    family = plan.kernel_family(device)
+    # the command that reproduces the table (where its report goes does not change it)
+    command = "python -m moe_grouped_decode tune " + " ".join(args.argv)
+    command = re.sub(r" --report-dir[ =]\S+", "", command)
+    table, extra = tune(measure, gpu, ver, max_tokens=args.max_tokens, grouped_max=args.grouped_max,
+                        budget_s=args.budget_s, refine=not args.no_refine, generator=command,
+                        grouped_candidates=grouped_candidates(capability, family),
+                        prefill_candidates=prefill_candidates(capability), family=family)
+    for backend, why in extra["missing"].items():
+        print(f"[tune] vLLM's {backend}: {why}", flush=True)
+    verdict = tables.verdict(table, args.max_tokens)
+    directory = tables.SHIPPED_DIR if args.ship else tables.cache_dir(ver)
+    path = tables.write_table(table, directory)
+    report = Path(args.report_dir)
+    report.mkdir(parents=True, exist_ok=True)
+    stem = Path(tables.file_name(*table.key)).stem
+    text = markdown(table, verdict)
+    (report / f"{stem}.md").write_text(text)
+    (report / f"{stem}.json").write_text(json.dumps({"table": tables.table_to_json(table), "verdict": dataclasses.asdict(
+        verdict), **extra, "seconds": round(time.time() - started, 1)}, indent=1))
+    plot(table, report / f"{stem}.png")
+    print(text)
+    print(f"[tune] wrote {path} (read by the vLLM plugin at startup) and {report}/{stem}.md/.json/.png in "
+          f"{time.time() - started:.0f} s", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m moe_grouped_decode tune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", nargs="?", help="an AWQ MoE checkpoint directory (its config.json is read)")
+    parser.add_argument("--shape", help="E,k,K,N,G of one rank's layer, instead of a checkpoint")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="as vLLM takes it")
+    parser.add_argument("--enable-expert-parallel", action="store_true", help="as vLLM takes it")
+    parser.add_argument("--dtype", choices=tables.DTYPE_NAMES, help="activation dtype (default: the checkpoint's, "
+                        "else fp16)")
+    parser.add_argument("--name", help="a label for the table (default: the checkpoint's folder and parallelism)")
+    parser.add_argument("--max-tokens", type=int, default=tables.LARGEST_STEP, help="the largest step measured")
+    parser.add_argument("--grouped-max", type=int, default=256, help="the grouped op is timed up to this M")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="seconds for the config search")
+    parser.add_argument("--reps", type=int, default=20, help="CUDA-graph replays per timing (the median is kept)")
+    parser.add_argument("--large-layers", type=int, default=8, help="layers rotated where every expert is read")
+    parser.add_argument("--no-refine", action="store_true", help="no extra counts between thin neighbours")
+    parser.add_argument("--vllm-sources", default=".vllm_moe_src", help="vLLM's fetched sources (where vLLM itself "
+                        "is not installed with its CUDA ops)")
+    parser.add_argument("--ship", action="store_true", help="write to the package's tables/ (the project's own runs)")
+    parser.add_argument("--report-dir", default="artifacts/tune", help="JSON, Markdown and plot")
+    args = parser.parse_args(argv)
+    args.argv = argv
+    if bool(args.checkpoint) == bool(args.shape):
+        parser.error("give a checkpoint directory or --shape E,k,K,N,G (one of them)")
+    try:
+        spec = (spec_from_shape(args.shape, args.dtype or "fp16", args.name) if args.shape else
+                spec_from_checkpoint(Path(args.checkpoint), args.tensor_parallel_size, args.enable_expert_parallel,
+                                     args.dtype))
+        if args.name:
+            spec = dataclasses.replace(spec, name=args.name)
+        check_spec(spec)
+    except ValueError as error:
+        print(f"python -m moe_grouped_decode tune: {error}", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"python -m moe_grouped_decode tune: {spec.name} {spec.shape} {spec.dtype}: needs a CUDA GPU (none "
+              "visible): a table is measured on the GPU model it is for", file=sys.stderr)
+        return 2
+    return run(args, spec)

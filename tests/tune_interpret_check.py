@@ -1,0 +1,99 @@
+"""The tuner's whole run on a tiny shape under TRITON_INTERPRET=1, on the CPU.
+
+Launched by test_tune.py in a subprocess (the variable must be set before triton is imported),
+with the cache directory as its argument. The search launches the real kernels under the
+interpreter and checks each candidate's output; the clock is the check's own (a cost per
+config, so the search's choice is known), as is the vLLM timer. Exits non-zero on the first
+failure.
+"""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import dataclasses  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from moe_grouped_decode import tables  # noqa: E402
+from moe_grouped_decode.awq import synthetic_moe_weights  # noqa: E402
+from moe_grouped_decode.benchmarking import tune  # noqa: E402
+from moe_grouped_decode.contract import LayerShape, apply_tables, admits, choose_method  # noqa: E402
+from moe_grouped_decode.kernels.config import GroupedConfig, PrefillConfig, grouped_config, prefill_config  # noqa: E402
+
+SPEC = tune.LayerSpec((8, 2, 64, 64, 32), "fp16", "tiny-tune")
+GPU = "Test GPU"
+FAST = GroupedConfig(w13_kernel="tl", w2_kernel="tl", w13_block_k=32)
+SLOW = GroupedConfig(w13_kernel="tl", w2_kernel="tl", w13_block_k=64)
+FAST_PREFILL = PrefillConfig(token_blocks=2)
+SLOW_PREFILL = PrefillConfig()
+CALLS = []
+
+
+def clock(step, calls, key):
+    """Runs the step on every layer once (the kernels run under the interpreter), then gives a
+    cost: per config in the search, per route and M in the measurement."""
+    for i in range(calls):
+        step(i)
+    CALLS.append(key)
+    route, M, *config = key
+    if config:
+        return {FAST: 1.0, SLOW: 2.0, FAST_PREFILL: 3.0, SLOW_PREFILL: 4.0}[config[0]] * M
+    # the grouped op wins up to 4 tokens; the plugin beats vLLM everywhere but thinly at 64
+    return {"grouped": 5.0 * M if M <= 4 else 1e9, "prefill": 30.0 + M}[route]
+
+
+def vllm_timer(inputs):
+    return {"marlin": {M: (31.0 + M) * (1.01 if M == 64 else 2.0) for M in inputs},
+            "humming": {M: (31.0 + M) * 3.0 for M in inputs}}
+
+
+def main(cache: Path) -> None:
+    device = torch.device("cpu")
+    layers = [synthetic_moe_weights(8, 64, 64, 32, dtype=torch.float16, seed=50 + i, device=device) for i in range(2)]
+    measure = tune.Measurement(SPEC, layers, clock, vllm_timer, device, large_layers=1)
+    logged = []
+    table, extra = tune.tune(measure, GPU, {"torch": torch.__version__}, max_tokens=256, grouped_max=8,
+                             budget_s=600, generator="tune_interpret_check", grouped_candidates=[SLOW, FAST],
+                             prefill_candidates=[SLOW_PREFILL, FAST_PREFILL], family="tl", log=logged.append)
+    r = table.routes
+    # the search kept the cheaper config at every searched count
+    assert {e["M"]: e["config"]["w13_block_k"] for e in table.grouped} == {1: 32, 2: 32, 4: 32, 8: 32}, table.grouped
+    assert all(e["kernels"] == "tl" for e in table.grouped)
+    assert [(e["M"], PrefillConfig(**e["config"])) for e in table.prefill] == [(256, FAST_PREFILL)], table.prefill
+    # the measurement: grouped up to 4 tokens, prefill above; the thin margin at 64 got neighbours
+    assert r.grouped_tokens == (1, 4), r
+    assert r.routes == tuple("grouped" if m <= 4 else "prefill" for m in r.tokens)
+    assert set(r.tokens) - set(tune.token_grid(256)) == {55, 72}, r.tokens  # between 48 | 64 | 80
+    assert extra["missing"] == {} and set(r.vllm_us) == {"marlin", "humming"}
+    verdict = tables.verdict(table, 256)
+    assert verdict.admitted and verdict.closest[0] == 64, verdict
+    # the measurement ran the ops with the searched configs (the draft table was in place)
+    assert ("grouped", 4) in CALLS and ("prefill", 256) in CALLS
+
+    # written and read back where the plugin reads a user's tables; the plugin then admits the shape
+    versions = {"torch": torch.__version__, "triton": "test", "vllm": "test"}
+    path = tables.write_table(dataclasses.replace(table, versions=versions), tables.cache_dir(versions))
+    assert path.parent.is_relative_to(cache) and path.name == "Test-GPU_8-2-64-64-32_fp16.json"
+    apply_tables(GPU, versions)
+    shape = LayerShape(8, 2, 64, 64, 32, torch.float16)
+    assert admits(shape, 4) and not admits(shape, 5)
+    choice = choose_method(shape, GPU, plugin_on=True, force=False, vllm_backend="MARLIN", max_tokens=256)
+    assert choice.route == "grouped" and "faster than vLLM" in choice.reason, choice
+    assert grouped_config(SPEC.shape, GPU, "tl", "fp16", 3) == FAST.fitted(64)
+    assert prefill_config(SPEC.shape, GPU, "fp16", 100) == FAST_PREFILL
+    # a search cut short keeps, at every count it did not reach, what the op runs without the tune
+    progress = tune.Progress(1, out=open(os.devnull, "w"))
+    other = dataclasses.replace(SPEC, shape=(8, 2, 64, 32, 32))
+    layers = [synthetic_moe_weights(8, 64, 32, 32, dtype=torch.float16, seed=70 + i, device=device) for i in range(2)]
+    cut = tune.Measurement(other, layers, clock, vllm_timer, device, large_layers=1)
+    kept = tune.search(cut, "prefill", [16, 64], [FAST_PREFILL], progress, deadline=0.0, log=logged.append)
+    assert kept == {M: prefill_config(other.shape, "cpu", "fp16", M) for M in (16, 64)}, kept
+    assert any("not searched" in line for line in logged)
+    print("tune interpreter check passed")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
