@@ -2,7 +2,8 @@
 
 TRITON_INTERPRET must be set before triton is imported, and this pytest process
 may already have imported it, so the checks run in a fresh interpreter:
-interpret_kernels_check.py beside this file.
+interpret_kernels_check.py beside this file, and interpret_shapes_check.py (the edges of the
+shapes the product serves: the kernels' chunk loops over a large N or K).
 """
 
 import os
@@ -21,3 +22,13 @@ def test_kernels_match_reference_under_interpreter():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "all interpreter checks passed" in result.stdout
+
+
+def test_kernels_match_reference_at_shape_edges_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
+    result = subprocess.run(
+        [sys.executable, str(HERE / "interpret_shapes_check.py")],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "all interpreter shape checks passed" in result.stdout

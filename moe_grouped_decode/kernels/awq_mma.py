@@ -50,6 +50,14 @@ _INLINE_PTX = tl.constexpr(not INTERPRETED.value)
 
 CHUNK_ROWS = tl.constexpr(32)  # reduction rows per awq_mma_chunk call (two m16n8k16 blocks)
 TILE_WORDS = tl.constexpr(8)  # packed int32 columns per warp (one per lane group g): 64 output columns
+# A kernel's loop over the 32-row chunks of a whole N or K unrolls at compile time up to
+# UNROLLED_CHUNKS chunks per warp (every chunk's loads issued up front, as at the shape the
+# kernels were tuned for: qwen3.8's K = 2560 is 20 chunks for each of the prefill W13's four
+# warps); a longer one runs as a loop the compiler unrolls CHUNK_LOOP_UNROLL chunks at a time,
+# the same sums in the same order. A full unroll of hundreds of chunks (N = 7168 is 224) keeps
+# Triton's compiler busy for minutes and spills.
+UNROLLED_CHUNKS = tl.constexpr(20)
+CHUNK_LOOP_UNROLL = tl.constexpr(4)
 
 _LO, _HI = "0x000F000F", "0x00F000F0"
 

@@ -19,7 +19,8 @@ picks the kernel variants::
 Variant selection: the Gluon kernels run where Triton has Gluon, the kernels are compiled (not
 under the interpreter) and ``MOE_GROUPED_DECODE_GLUON`` is not 0 (``gluon_runs``);
 the config (table, tuned or given) names each launch's kernel, and a launch falls back to its
-``tl`` kernel where Gluon does not run or the shape does not fit the Gluon W2's tiles.
+``tl`` kernel where Gluon does not run or the shape does not fit the Gluon W2's tiles or its shared
+memory.
 
 Lab switches, all fields of the plan that compile out when off: ``stages`` (a subset of the
 launches, for the per-stage breakdown), ``timeline`` (per-program timestamps, kernels/timeline.py)
@@ -231,7 +232,9 @@ def _grouped_plan(M, top_k, K, N, G, dtype, capability, config: GroupedConfig, s
     arrivals_pad = _next_pow2(num_arrivals) if num_arrivals else 0
     w13_on_gluon = config.w13_kernel == "gluon" and gluon
     w2_on_gluon = (config.w2_kernel == "gluon" and gluon
-                   and (K // 8) % (TILE_WORDS.value * config.w2_warps) == 0)
+                   and (K // 8) % (TILE_WORDS.value * config.w2_warps) == 0
+                   # all N / 32 chunks of a tile's weights in shared memory, unrolled: not at an N in the thousands
+                   and w2_gluon.shared_memory_fits(N, config.w2_warps, config.w2_act_split, capability))
     pdl_options = launch_options(use_pdl)
     launches = []
     sort_regions, sort_numel, groups = (), 0, 0

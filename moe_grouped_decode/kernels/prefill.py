@@ -24,7 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .awq_mma import CHUNK_ROWS, TILE_WORDS, awq_mma_chunk, awq_mma_tokens, chunk_columns, chunk_lanes, chunk_rows
+from .awq_mma import (CHUNK_LOOP_UNROLL, CHUNK_ROWS, TILE_WORDS, UNROLLED_CHUNKS, awq_mma_chunk, awq_mma_tokens,
+                      chunk_columns, chunk_lanes, chunk_rows)
 from .awq_tiles import silu_mul
 
 
@@ -110,6 +111,26 @@ def _store_activations(acc, act_ptr, sorted_rows_ptr, start, count, tb, tile, ro
     tl.store(act_ptr + row.to(tl.int64) * N + cols, act.to(act_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _w13_chunk(k0, x_ptr, stride_xm, tok0, tok1, tok2, tok3, ok0, ok1, ok2, ok3, qweight_ptr, scales_ptr, qzeros_ptr,
+               expert, word, t, e, a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi, K: tl.constexpr,
+               N: tl.constexpr, G: tl.constexpr, IS_BF16: tl.constexpr, TOKEN_BLOCKS: tl.constexpr,
+               WARPS: tl.constexpr):
+    """W13's chunk at reduction row k0 (each warp its own; none past K) added to the sums."""
+    TWO_N: tl.constexpr = 2 * N
+    PACKED_N: tl.constexpr = TWO_N // 8
+    k_rows = chunk_rows(k0, t, e)
+    chunk_ok = k0 < K
+    group = k0 // G
+    words = tl.load(qweight_ptr + expert * (K * PACKED_N) + k_rows * PACKED_N + word, mask=chunk_ok, other=0)
+    scales = tl.load(scales_ptr + expert * (K // G * TWO_N) + group * TWO_N + word * 8 + e, mask=chunk_ok, other=0.0)
+    zeros = tl.load(qzeros_ptr + expert * (K // G * PACKED_N) + group * PACKED_N + word, mask=chunk_ok, other=0)
+    x0, x1, x2, x3 = _b_operands(x_ptr, stride_xm, tok0, tok1, tok2, tok3, chunk_ok & ok0, chunk_ok & ok1,
+                                 chunk_ok & ok2, chunk_ok & ok3, k_rows, TOKEN_BLOCKS)
+    return _chunk_mma(words, scales, zeros, x0, x1, x2, x3, a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi,
+                      IS_BF16, TOKEN_BLOCKS, WARPS)
+
+
 @triton.jit(do_not_specialize=["stride_xm", "rows"])
 def w13_prefill_kernel(
     x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, num_groups_ptr,
@@ -119,8 +140,6 @@ def w13_prefill_kernel(
 ):
     """act[row, cols] = silu(x W13_gate) * (x W13_up) for the group's rows, 32 columns per program."""
     TILES: tl.constexpr = N // 32
-    TWO_N: tl.constexpr = 2 * N
-    PACKED_N: tl.constexpr = TWO_N // 8
     group_id = tl.program_id(0) // TILES
     tile = tl.program_id(0) % TILES
     if group_id >= tl.load(num_groups_ptr):
@@ -139,20 +158,18 @@ def w13_prefill_kernel(
     CHUNKS_PER_WARP: tl.constexpr = (K // CHUNK_ROWS + WARPS - 1) // WARPS
     a0_lo = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
     a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi = a0_lo, a0_lo, a0_lo, a0_lo, a0_lo, a0_lo, a0_lo
-    for c in tl.static_range(CHUNKS_PER_WARP):
-        k0 = (warp * CHUNKS_PER_WARP + c) * CHUNK_ROWS
-        k_rows = chunk_rows(k0, t, e)
-        chunk_ok = k0 < K
-        group = k0 // G
-        words = tl.load(qweight_ptr + expert * (K * PACKED_N) + k_rows * PACKED_N + word, mask=chunk_ok, other=0)
-        scales = tl.load(scales_ptr + expert * (K // G * TWO_N) + group * TWO_N + word * 8 + e, mask=chunk_ok,
-                         other=0.0)
-        zeros = tl.load(qzeros_ptr + expert * (K // G * PACKED_N) + group * PACKED_N + word, mask=chunk_ok, other=0)
-        x0, x1, x2, x3 = _b_operands(x_ptr, stride_xm, tok0, tok1, tok2, tok3, chunk_ok & ok0, chunk_ok & ok1,
-                                     chunk_ok & ok2, chunk_ok & ok3, k_rows, TOKEN_BLOCKS)
-        a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi = _chunk_mma(
-            words, scales, zeros, x0, x1, x2, x3, a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi,
-            IS_BF16, TOKEN_BLOCKS, WARPS)
+    if CHUNKS_PER_WARP <= UNROLLED_CHUNKS:
+        for c in tl.static_range(CHUNKS_PER_WARP):
+            a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi = _w13_chunk(
+                (warp * CHUNKS_PER_WARP + c) * CHUNK_ROWS, x_ptr, stride_xm, tok0, tok1, tok2, tok3, ok0, ok1, ok2,
+                ok3, qweight_ptr, scales_ptr, qzeros_ptr, expert, word, t, e, a0_lo, a0_hi, a1_lo, a1_hi, a2_lo,
+                a2_hi, a3_lo, a3_hi, K, N, G, IS_BF16, TOKEN_BLOCKS, WARPS)
+    else:
+        for c in tl.range(0, CHUNKS_PER_WARP, loop_unroll_factor=CHUNK_LOOP_UNROLL):
+            a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi = _w13_chunk(
+                (warp * CHUNKS_PER_WARP + c) * CHUNK_ROWS, x_ptr, stride_xm, tok0, tok1, tok2, tok3, ok0, ok1, ok2,
+                ok3, qweight_ptr, scales_ptr, qzeros_ptr, expert, word, t, e, a0_lo, a0_hi, a1_lo, a1_hi, a2_lo,
+                a2_hi, a3_lo, a3_hi, K, N, G, IS_BF16, TOKEN_BLOCKS, WARPS)
     _store_activations(a0_lo, act_ptr, sorted_rows_ptr, start, count, 0, tile, rows, False, N, WARPS)
     _store_activations(a0_hi, act_ptr, sorted_rows_ptr, start, count, 0, tile, rows, True, N, WARPS)
     if TOKEN_BLOCKS > 1:
@@ -179,6 +196,24 @@ def _store_rows(acc_lo, acc_hi, row_out_ptr, sorted_rows_ptr, start, count, tb, 
     tl.store(base + 4, acc_hi.to(row_out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _w2_chunk(n0, act_ptr, row0, row1, row2, row3, ok0, ok1, ok2, ok3, qweight_ptr, scales_ptr, qzeros_ptr, expert,
+              word, word_ok, t, e, a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi, K: tl.constexpr,
+              N: tl.constexpr, G: tl.constexpr, IS_BF16: tl.constexpr, TOKEN_BLOCKS: tl.constexpr,
+              WARPS: tl.constexpr):
+    """W2's chunk at reduction row n0 added to the sums."""
+    PACKED_K: tl.constexpr = K // 8
+    k_rows = chunk_rows(n0, t, e)
+    group = n0 // G
+    words = tl.load(qweight_ptr + expert * (N * PACKED_K) + k_rows * PACKED_K + word, mask=word_ok, other=0)
+    scales = tl.load(scales_ptr + expert * (N // G * K) + group * K + word * 8 + e, mask=word_ok, other=0.0)
+    zeros = tl.load(qzeros_ptr + expert * (N // G * PACKED_K) + group * PACKED_K + word, mask=word_ok, other=0)
+    x0, x1, x2, x3 = _b_operands(act_ptr, N, row0.to(tl.int64), row1.to(tl.int64), row2.to(tl.int64),
+                                 row3.to(tl.int64), ok0, ok1, ok2, ok3, k_rows, TOKEN_BLOCKS)
+    return _chunk_mma(words, scales, zeros, x0, x1, x2, x3, a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi,
+                      IS_BF16, TOKEN_BLOCKS, WARPS)
+
+
 @triton.jit(do_not_specialize=["rows"])
 def w2_prefill_kernel(
     act_ptr, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, num_groups_ptr,
@@ -203,17 +238,18 @@ def w2_prefill_kernel(
     row3, ok3 = _token_rows(sorted_rows_ptr, start, count, 3, g, rows)
     a0_lo = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
     a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi = a0_lo, a0_lo, a0_lo, a0_lo, a0_lo, a0_lo, a0_lo
-    for c in tl.static_range(CHUNKS):
-        k_rows = chunk_rows(c * CHUNK_ROWS, t, e)
-        group = c * CHUNK_ROWS // G
-        words = tl.load(qweight_ptr + expert * (N * PACKED_K) + k_rows * PACKED_K + word, mask=word_ok, other=0)
-        scales = tl.load(scales_ptr + expert * (N // G * K) + group * K + word * 8 + e, mask=word_ok, other=0.0)
-        zeros = tl.load(qzeros_ptr + expert * (N // G * PACKED_K) + group * PACKED_K + word, mask=word_ok, other=0)
-        x0, x1, x2, x3 = _b_operands(act_ptr, N, row0.to(tl.int64), row1.to(tl.int64), row2.to(tl.int64),
-                                     row3.to(tl.int64), ok0, ok1, ok2, ok3, k_rows, TOKEN_BLOCKS)
-        a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi = _chunk_mma(
-            words, scales, zeros, x0, x1, x2, x3, a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi,
-            IS_BF16, TOKEN_BLOCKS, WARPS)
+    if CHUNKS <= UNROLLED_CHUNKS:
+        for c in tl.static_range(CHUNKS):
+            a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi = _w2_chunk(
+                c * CHUNK_ROWS, act_ptr, row0, row1, row2, row3, ok0, ok1, ok2, ok3, qweight_ptr, scales_ptr,
+                qzeros_ptr, expert, word, word_ok, t, e, a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi,
+                K, N, G, IS_BF16, TOKEN_BLOCKS, WARPS)
+    else:
+        for c in tl.range(0, CHUNKS, loop_unroll_factor=CHUNK_LOOP_UNROLL):
+            a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi = _w2_chunk(
+                c * CHUNK_ROWS, act_ptr, row0, row1, row2, row3, ok0, ok1, ok2, ok3, qweight_ptr, scales_ptr,
+                qzeros_ptr, expert, word, word_ok, t, e, a0_lo, a0_hi, a1_lo, a1_hi, a2_lo, a2_hi, a3_lo, a3_hi,
+                K, N, G, IS_BF16, TOKEN_BLOCKS, WARPS)
     cols = chunk_columns(word, e)
     _store_rows(a0_lo, a0_hi, row_out_ptr, sorted_rows_ptr, start, count, 0, t, e, cols, word_ok, rows, K)
     if TOKEN_BLOCKS > 1:

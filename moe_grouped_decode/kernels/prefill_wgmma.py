@@ -18,7 +18,8 @@ them, so their latency overlaps work::
            -> act[sorted position, cols] = silu(gate) * up, in the activation dtype
     [W2]   program (group, TILES_PER_PROGRAM tiles of 128 output columns): the group's act rows
            [BLOCK_ROWS, N] copied once to shared memory, then per tile N / 32 pieces as W13's
-           (a ring of N / 32 stages keeps each piece in an allocation of its own: fewer barriers)
+           (a ring of N / 32 stages keeps each piece in an allocation of its own: fewer barriers;
+           past UNROLLED_PIECES pieces a loop over them)
            -> row_out[routed row, cols] in the activation dtype
     then the combine (combine.py), as the other prefill kernels.
 
@@ -44,6 +45,11 @@ from .gluon_helpers import AVAILABLE
 STEP_ROWS = 32  # reduction rows per piece of a step (the layouts below are built for 32: not a knob)
 TILE_COLUMNS = 128  # A rows per program: two m64 blocks
 W2_TILES_PER_PROGRAM = 4  # W2: 128-column tiles per program (the act rows copied once for them)
+# W2's pieces of a tile (N / 32) unrolled at compile time up to this many (qwen3.8's N = 160 is 5);
+# a larger N loops over them (the same sums in the same order): unrolled, its registers grow with N
+# (168-195 at N = 768, spills at N = 1408 over 32-row groups) and so does its compile (22 s at
+# N = 6144, spilling 2.7 KB)
+UNROLLED_PIECES = _constexpr(8)
 
 
 def w13_programs_per_group(tiles: str, N: int) -> int:
@@ -237,6 +243,40 @@ if HOPPER_AVAILABLE:
         as a constant where the caller knows it) into the shared buffer ``stage``."""
         async_copy.async_copy_global_to_shared(stage, words_src + piece * 32 * PACKED + (j // SUB) * 16,
                                                mask=(first_tile + j // SUB < TILES) & copy_ok)
+
+    @gluon.jit
+    def _w2_piece(s, j, tile, acc, s_lo, s_hi, zw, piece_words, ring_words, act_smem, words_src, first_tile, copy_ok,
+                  expert_scales, expert_zeros, word, col_lo, col_hi, local, pick, zero_pick, A_LAYOUT: gl.constexpr,
+                  K: gl.constexpr, G: gl.constexpr, PACKED: gl.constexpr, TILES: gl.constexpr, SUB: gl.constexpr,
+                  STEPS: gl.constexpr, STAGES: gl.constexpr, PIECE_RINGS: gl.constexpr, IS_BF16: gl.constexpr):
+        """W2's piece s of ``tile`` (step j of the program) into ``acc``, with its scales and zero
+        words (requested a piece before) and the next piece's requested; returns (acc, the next
+        piece's scales and zero words)."""
+        a_lo, a_hi, a_zw = s_lo, s_hi, zw
+        next_tile = tile + (s + 1) // SUB  # the next piece: this tile's next 32 rows, or the next tile's first
+        s_lo, s_hi, zw = _piece_scales(((s + 1) % SUB) * 32, expert_scales + next_tile * 128,
+                                       expert_zeros + next_tile * 16 + word, col_lo, col_hi,
+                                       (next_tile < TILES) & (j + 1 < STEPS) & (local >= 0), K, G, PACKED)
+        z_lo, z_hi = _zero_pairs(a_zw, zero_pick, IS_BF16)
+        _wait_for_step(STAGES)
+        if j + STAGES - 1 < STEPS:
+            if PIECE_RINGS:  # this tile's last piece (s = 0) or the next tile's piece s - 1, into
+                # stage s - 1 (mod SUB), whose wgmma every thread waited for
+                _w2_copy_piece(j + STAGES - 1, (s + SUB - 1) % SUB, piece_words[(s + SUB - 1) % SUB],
+                               words_src, first_tile, copy_ok, PACKED, TILES, SUB)
+            else:
+                nj = j + STAGES - 1
+                _w2_copy_piece(nj, nj % SUB, ring_words.index(nj % STAGES), words_src, first_tile, copy_ok,
+                               PACKED, TILES, SUB)
+        async_copy.commit_group()
+        if PIECE_RINGS:
+            words = piece_words[s].load(_WORDS2)
+        else:
+            words = ring_words.index(j % STAGES).load(_WORDS2)
+        a = _dequantize(words, z_lo, z_hi, a_lo, a_hi, pick, IS_BF16, A_LAYOUT)
+        acc = warpgroup_mma(a, act_smem.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        return acc, s_lo, s_hi, zw
 
     @gluon.jit
     def _w13_tile(
@@ -454,11 +494,14 @@ if HOPPER_AVAILABLE:
         words_src = qweight_ptr + expert * (N * PACKED) + ck * PACKED + first_tile * 16 + cw
         copy_ok = (cw >= 0) & (ck >= 0)
         STEPS: gl.constexpr = TILES_PER_PROGRAM * SUB
+        # a tile's pieces unrolled at compile time up to UNROLLED_PIECES; more (a large N) loop
+        UNROLLED: gl.constexpr = SUB <= UNROLLED_PIECES
         # a ring of as many stages as a tile has pieces: piece s always in stage s, one allocation
         # each (the compiler puts a barrier between two copies into one allocation)
-        PIECE_RINGS: gl.constexpr = STAGES == SUB
+        PIECE_RINGS: gl.constexpr = STAGES == SUB and UNROLLED
+        piece_words = ()
+        ring_words = None
         if PIECE_RINGS:
-            piece_words = ()
             for p in gl.static_range(SUB):
                 piece_words += (gl.allocate_shared_memory(gl.int32, [32, 16], _RING_WORDS),)
         else:
@@ -475,9 +518,14 @@ if HOPPER_AVAILABLE:
         rk = gl.arange(0, 32, layout=gl.SliceLayout(0, _COPY_ROWS))[None, :]
         row_ok = (rr < count) & (rk >= 0)
         act_smem = gl.allocate_shared_memory(act_ptr.dtype.element_ty, [SUB, BLOCK_ROWS, 32], _RING_ROWS)
-        for s in gl.static_range(SUB):
-            async_copy.async_copy_global_to_shared(act_smem.index(s), act_ptr + (start + rr).to(gl.int64) * N
-                                                   + s * 32 + rk, mask=row_ok)
+        if UNROLLED:
+            for s in gl.static_range(SUB):
+                async_copy.async_copy_global_to_shared(act_smem.index(s), act_ptr + (start + rr).to(gl.int64) * N
+                                                       + s * 32 + rk, mask=row_ok)
+        else:
+            for s in range(SUB):
+                async_copy.async_copy_global_to_shared(act_smem.index(s), act_ptr + (start + rr).to(gl.int64) * N
+                                                       + s * 32 + rk, mask=row_ok)
         for p in gl.static_range(STAGES - 1):
             async_copy.commit_group()
 
@@ -497,32 +545,18 @@ if HOPPER_AVAILABLE:
             tile = first_tile + tt
             tile_ok = tile < TILES
             acc = gl.zeros([128, BLOCK_ROWS], gl.float32, layout=mma)
-            for s in gl.static_range(SUB):
-                j = tt * SUB + s
-                a_lo, a_hi, a_zw = s_lo, s_hi, zw
-                next_tile = tile + (s + 1) // SUB  # the next piece: this tile's next 32 rows, or the next tile's first
-                s_lo, s_hi, zw = _piece_scales(((s + 1) % SUB) * 32, expert_scales + next_tile * 128,
-                                               expert_zeros + next_tile * 16 + word, col_lo, col_hi,
-                                               (next_tile < TILES) & (j + 1 < STEPS) & (local >= 0), K, G, PACKED)
-                z_lo, z_hi = _zero_pairs(a_zw, zero_pick, IS_BF16)
-                _wait_for_step(STAGES)
-                if j + STAGES - 1 < STEPS:
-                    if PIECE_RINGS:  # this tile's last piece (s = 0) or the next tile's piece s - 1, into
-                        # stage s - 1 (mod SUB), whose wgmma every thread waited for
-                        _w2_copy_piece(j + STAGES - 1, (s + SUB - 1) % SUB, piece_words[(s + SUB - 1) % SUB],
-                                       words_src, first_tile, copy_ok, PACKED, TILES, SUB)
-                    else:
-                        nj = j + STAGES - 1
-                        _w2_copy_piece(nj, nj % SUB, ring_words.index(nj % STAGES), words_src, first_tile, copy_ok,
-                                       PACKED, TILES, SUB)
-                async_copy.commit_group()
-                if PIECE_RINGS:
-                    words = piece_words[s].load(_WORDS2)
-                else:
-                    words = ring_words.index(j % STAGES).load(_WORDS2)
-                a = _dequantize(words, z_lo, z_hi, a_lo, a_hi, pick, IS_BF16, a_layout)
-                acc = warpgroup_mma(a, act_smem.index(s).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
+            if UNROLLED:
+                for s in gl.static_range(SUB):
+                    acc, s_lo, s_hi, zw = _w2_piece(
+                        s, tt * SUB + s, tile, acc, s_lo, s_hi, zw, piece_words, ring_words, act_smem, words_src,
+                        first_tile, copy_ok, expert_scales, expert_zeros, word, col_lo, col_hi, local, pick, zero_pick,
+                        a_layout, K, G, PACKED, TILES, SUB, STEPS, STAGES, PIECE_RINGS, IS_BF16)
+            else:
+                for s in range(SUB):
+                    acc, s_lo, s_hi, zw = _w2_piece(
+                        s, tt * SUB + s, tile, acc, s_lo, s_hi, zw, piece_words, ring_words, act_smem, words_src,
+                        first_tile, copy_ok, expert_scales, expert_zeros, word, col_lo, col_hi, local, pick, zero_pick,
+                        a_layout, K, G, PACKED, TILES, SUB, STEPS, STAGES, PIECE_RINGS, IS_BF16)
             out = gl.convert_layout(_in_column_order(acc, BLOCK_ROWS).to(row_out_ptr.dtype.element_ty), store)
             gl.store(row_out_ptr + out_row * K + tile * 128 + c, out, mask=(n < count) & tile_ok & (c >= 0))
         async_copy.wait_group(0)

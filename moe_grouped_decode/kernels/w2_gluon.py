@@ -30,6 +30,20 @@ from .gluon_helpers import AVAILABLE
 from .overflow import columns_overflowed, repair_token_columns
 from .timeline import W2_SM_SLOT, W2_STAMP_COUNT
 
+
+def shared_memory_fits(N: int, warps: int, act_split: bool, capability) -> bool:
+    """Whether one program's shared memory (its tile's words of all N / 32 chunks, their scales
+    and zero words, the activations) fits a GPU of compute ``capability`` (227 KB a program on
+    Hopper and Blackwell, 163 KB on the A100 and Orin, 99 KB elsewhere). Where it does not (N in
+    the thousands) the plan launches w2_tl; the chunk loop here unrolls over every chunk, so this
+    also bounds the compile (3 s for N = 1408's 44 chunks)."""
+    chunks = N // 32
+    pad = 1 << max(0, (chunks - 1).bit_length())
+    need = chunks * warps * 1024 + pad * (warps * 160 + (128 if act_split else 64))
+    limit = (227 if capability[0] in (9, 10) else 163 if tuple(capability) in ((8, 0), (8, 7)) else 99) * 1024
+    return need <= limit
+
+
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
