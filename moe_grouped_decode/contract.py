@@ -356,5 +356,7 @@ def choose_method(shape: LayerShape, device: str, *, plugin_on: bool, force: boo
     if measured is not None:
         why = f"not admitted: {measured.reason}"
     else:
-        why = f"no table measured on {device} for this shape and dtype (`{tune_command(shape)}` measures it)"
+        why = f"no table measured on {device} for this shape and dtype"
+        if device != "cpu":  # tune measures on a GPU
+            why += f" (`{tune_command(shape)}` measures it)"
     return LayerChoice(False, Admission(None, why), why)

@@ -42,7 +42,9 @@ def test_vllm_keeps_its_backend_where_nothing_measured_the_plugin_faster_here(sh
     choice = choose(shape, "cpu", vllm_backend="CPU")
     assert not choice.served_by_plugin and choice.route == "vllm"
     assert not choice.admission
-    assert "no table measured on cpu" in choice.reason and "python -m moe_grouped_decode tune --shape" in choice.reason
+    assert choice.reason == "no table measured on cpu for this shape and dtype"
+    on_a_gpu = choose(OTHER, GPU, vllm_backend="MARLIN").reason  # where tune can measure it, says how
+    assert "no table measured on NVIDIA H100 80GB HBM3" in on_a_gpu and "moe_grouped_decode tune --shape" in on_a_gpu
 
 
 def test_a_table_that_wins_everywhere_admits_the_layer_on_its_gpu_only():

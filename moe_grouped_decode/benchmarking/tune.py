@@ -55,7 +55,9 @@ GROUPED_SEARCH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_SEARCH_TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # between two measured counts whose margin over vLLM is below this, one more count is measured
 THIN_MARGIN = 1.05
-SCALED_DIFF_BOUND = 2e-3  # a candidate config must agree with the prefill route's default this well
+# a candidate config must agree with the prefill route's default this well (max |diff| / max |ref|):
+# the ops' fp16 bound; bf16's correctly rounded outputs alone can sit 2^-8 apart, 8x it
+SCALED_DIFF_BOUND = {"fp16": 2e-3, "bf16": 16e-3}
 # the bytes one token's experts span over a layer rotation, at least (several times an H100's /
 # H200's L2, so even one-token steps read cold weights); and the rotation's weights at most per
 # copy (vLLM's backends keep copies of their own beside ours)
@@ -312,7 +314,7 @@ def search(measure: Measurement, route: str, token_counts: Sequence[int], candid
                 log(f"[tune] {route}: {config} does not run at this shape: {type(error).__name__}: {error}"[:400])
                 continue
             diff = _scaled_diff(outs[0], want)
-            if not diff <= SCALED_DIFF_BOUND:
+            if not diff <= SCALED_DIFF_BOUND[measure.spec.dtype]:
                 log(f"[tune] {route} M={M}: {config} disagrees with the prefill route (scaled diff {diff:.1e}): dropped")
                 continue
             timed.append((measure.clock(step, measure.count(M), (route, M, config)), config))
