@@ -66,7 +66,7 @@ def largest_step(vllm_config) -> int:
 
 @register_quantization_config(QUANTIZATION_NAME)
 class GroupedDecodeAwqConfig(AutoAWQConfig):
-    """``AutoAWQConfig`` whose MoE layers go through the plugin where a contract admits them."""
+    """``AutoAWQConfig`` whose MoE layers go through the plugin where ``choose_method`` says so."""
 
     @classmethod
     def get_name(cls) -> str:

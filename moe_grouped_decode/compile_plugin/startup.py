@@ -126,10 +126,11 @@ def record_layer(layer_name: str, decision: LayerDecision) -> None:
     if not decision.served_by_plugin and key not in _left_to_vllm_logged:
         _left_to_vllm_logged.add(key)
         s = decision.shape
-        logger.info("moe_grouped_decode: MoE layers of shape E=%d k=%d K=%d N=%d G=%d %s (first: %s) left to vLLM's "
-                    "own %s backend: %s. %s=1 serves them with the plugin anyway, unmeasured", s.num_experts, s.top_k, s.hidden_size,
-                    s.intermediate_size, s.group_size, str(s.dtype).removeprefix("torch."), layer_name,
-                    decision.vllm_backend, decision.choice.reason, FORCE_ENV)
+        logger.info("moe_grouped_decode: MoE layers of shape E=%d k=%d K=%d N=%d G=%d %s (first: %s) left to "
+                    "vLLM's own %s backend: %s. %s=1 serves them with the plugin anyway, unmeasured",
+                    s.num_experts, s.top_k, s.hidden_size, s.intermediate_size, s.group_size,
+                    str(s.dtype).removeprefix("torch."), layer_name, decision.vllm_backend, decision.choice.reason,
+                    FORCE_ENV)
 
 
 def layer_loaded(layer_name: str) -> None:
