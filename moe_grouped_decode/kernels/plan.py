@@ -516,7 +516,7 @@ def wgmma_runs(capability: Tuple[int, int], K: int, N: int, G: int, block_rows: 
 def prefill_config_run(config: PrefillConfig, capability: Tuple[int, int], K: int, N: int, G: int) -> PrefillConfig:
     """The config the prefill route runs for ``config`` here: itself, but for a wgmma config where
     those kernels do not run (``wgmma_runs``) the faster of the other kernels at those group sizes
-    on the H200 (runs 103 and 115): the mma kernels over 8-row groups for groups of up to 32 rows,
+    on the H200 (measured side by side, docs/notebook): the mma kernels over 8-row groups for groups of up to 32 rows,
     else the dot kernels over the same groups. The sort groups the rows by the config this returns."""
     if config.kernel == "wgmma" and K % config.w13_block_k:  # W13's steps must tile K (64 does where wgmma runs)
         config = dataclasses.replace(config, w13_block_k=64)
