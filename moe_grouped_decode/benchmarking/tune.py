@@ -532,7 +532,7 @@ def run(args, spec: LayerSpec) -> int:
 
     from ..kernels import cuda_capability, device_name, plan
     from .replay import graph_replay_us
-    from .vllm_moe import time_vllm_backends
+    from .bench import time_vllm
 
     device = torch.device("cuda")
     gpu, capability = device_name(device), cuda_capability(device)
@@ -547,20 +547,8 @@ def run(args, spec: LayerSpec) -> int:
         return graph_replay_us(step, calls, args.reps)
 
     def vllm_timer(inputs):
-        """vLLM's backends on the tune's own weights, routing and activations (the first layer's x)."""
-        out: dict = {}
-        for count in sorted({len(ids) for ids, _, _ in inputs.values()}):
-            Ms = [M for M, (ids, _, _) in inputs.items() if len(ids) == count]
-            times = time_vllm_backends(layers[:count], spec.shape[4], Ms, layers[0].w13_scales.dtype, args.reps,
-                                       xs={M: inputs[M][2][0] for M in Ms},
-                                       plans={M: list(zip(inputs[M][0], inputs[M][1])) for M in Ms},
-                                       sources=args.vllm_sources)
-            for backend, value in times.items():
-                if not isinstance(value, dict):
-                    out[backend] = value  # a backend that cannot run here says why
-                elif isinstance(out.setdefault(backend, {}), dict):
-                    out[backend].update(value)
-        return out
+        """vLLM's backends on the tune's own weights, routing and activations, as bench times them."""
+        return time_vllm(args.vllm_sources, layers, inputs, layers[0].w13_scales.dtype, args.reps)
 
     measure = Measurement(spec, layers, clock, vllm_timer, device, large_layers=args.large_layers)
     family = plan.kernel_family(device)
