@@ -433,9 +433,9 @@ def grouped_candidates(capability, family: str) -> list:
 
 def prefill_candidates(capability) -> list:
     """The prefill route's search space. On Hopper the wgmma kernels: every config the shipped
-    tables hold and one per group size from 8 to 128 rows; elsewhere the mma kernels over 8- and
-    16-row groups and the dot kernels over 32 to 128 (``kernels.config.prefill_candidates``'s
-    first variants)."""
+    tables hold, one per group size from 8 to 128 rows and two more of 128 rows over narrow W13
+    tiles; elsewhere the mma kernels over 8- and 16-row groups and the dot kernels over 32 to 128
+    (``kernels.config.prefill_candidates``'s first variants)."""
     from ..kernels.config import PrefillConfig, prefill_candidates as all_candidates
 
     if tuple(capability) >= (9, 0):
@@ -443,7 +443,11 @@ def prefill_candidates(capability) -> list:
         found = [c for c in found if c.kernel == "wgmma"]
         found += [PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3, w2_stages=4)
                   for rows in (8, 16, 32, 64)]
+        # 128-row groups halve the weights' dequantizations where experts hold 130-1000 rows; W13's
+        # narrow tiles keep its accumulator at 64 registers a thread there
         found += [PrefillConfig(kernel="wgmma", block_rows=128, w13_block_k=32, w13_stages=3, w2_stages=3)]
+        found += [PrefillConfig(kernel="wgmma", block_rows=128, w13_block_k=64, w13_stages=stages, w2_stages=3,
+                                w13_tiles="narrow") for stages in (2, 3)]
     else:
         found = [c for c in all_candidates() if c.kernel == "mma"]
         seen_rows: set = set()
