@@ -111,8 +111,8 @@ def verdict(table: MeasuredTable, max_tokens: int = LARGEST_STEP) -> Verdict:
     closest = (r.tokens[i], speedups[i])
     losses = [m for m, s in zip(r.tokens, speedups) if s <= 1.0]
     if losses:
-        return Verdict(False, f"vLLM is faster at M={_ranges(losses)} (at best {min(speedups):.2f}x; {where})",
-                       closest)
+        return Verdict(False, f"vLLM is as fast or faster at M={_ranges(losses)} "
+                              f"(the plugin down to {closest[1]:.2f}x, at M={closest[0]}; {where})", closest)
     return Verdict(True, f"faster than vLLM at every measured M from 1 to {r.tokens[reach]} "
                          f"(at least {closest[1]:.2f}x, at M={closest[0]}; {where})", closest)
 

@@ -58,7 +58,7 @@ def test_a_table_that_wins_everywhere_admits_the_layer_on_its_gpu_only():
 def test_a_table_that_loses_anywhere_leaves_the_layer_whole_to_vllm():
     with tables.table_registered(measured(OTHER, LOSES_AT_64)):
         choice = choose(OTHER, GPU, vllm_backend="MARLIN")
-    assert choice.route == "vllm" and "vLLM is faster at M=64" in choice.reason
+    assert choice.route == "vllm" and "vLLM is as fast or faster at M=64" in choice.reason
 
 
 def test_the_table_must_reach_the_engines_largest_step():
