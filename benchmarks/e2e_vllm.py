@@ -19,8 +19,11 @@ it). Arm ``on`` runs with ``MOE_GROUPED_DECODE=1`` (fails at startup if the
 grouped route cannot run), arm ``off`` with ``MOE_GROUPED_DECODE=0`` (vLLM's own
 MoE method), the optional arm ``force`` with ``MOE_GROUPED_DECODE_FORCE=1`` as well
 (the plugin on every layer its ops compute, even where no table admits the shape:
-there ``on`` is vLLM's own backend, as the report's "served by" lines say). Each
-arm is a fresh Python process; it measures, in this order:
+there ``on`` is vLLM's own backend, as the report's "served by" lines say; a
+shape without a contract takes the plugin's prefill route at every M, and a
+contract written by hand in ``MOE_GROUPED_DECODE_CONTRACTS``, which the arms
+inherit, gives it a grouped window). Each arm is a fresh Python process; it
+measures, in this order:
 
 1. startup: ``import vllm`` and ``LLM(...)`` wall time, and from vLLM's log the
    model load, the engine init (with compilation) and the CUDA-graph capture;
@@ -1133,7 +1136,8 @@ def parse_args(argv=None):
                         "and v_head_dim (MLA's kv_lora_rank 512 and rope dim 64 fixed)")
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint", default=None, help="checkpoint directory (default /tmp/moe_gd_e2e/<shape>): reused when it matches")
+    parser.add_argument("--checkpoint", default=None, help="checkpoint directory (default /tmp/moe_gd_e2e/"
+                        "<name>-<architecture>-<layers>l-<dtype>-s<seed>): reused when it matches")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: vLLM's")
     parser.add_argument("--arm-timeout", type=float, default=1500, help="seconds per arm before it is killed")
