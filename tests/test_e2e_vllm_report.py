@@ -1,5 +1,6 @@
 """benchmarks/e2e_vllm.py's pieces that need no engine: the checkpoint layout, the profiler-trace
-step attribution, the log parser, the agreement report, and the report files (made-up arm data)."""
+step attribution, the log parser, the greedy and teacher-forced agreement reports, who served the
+MoE layers, the options, and the report files (made-up arm data)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,17 @@ def e2e():
     return module
 
 
-def test_checkpoint_tensors_are_the_seeded_generators_layout(e2e):
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "deepseek_v2"])
+def test_checkpoint_tensors_are_the_seeded_generators_layout(e2e, architecture):
     """Same names, shapes and dtypes as moe_grouped_decode.checkpoints.state_dict (what vLLM loads)."""
-    from moe_grouped_decode.checkpoints import TINY, state_dict
+    from moe_grouped_decode.checkpoints import TINY, TINY_DEEPSEEK_V2, state_dict
 
+    spec = {"qwen3_moe": TINY, "deepseek_v2": TINY_DEEPSEEK_V2}[architecture]
     ours = {}
-    for _, tensors in e2e.checkpoint_shards(TINY, "cpu"):
+    for _, tensors in e2e.checkpoint_shards(spec, "cpu"):
         assert not set(tensors) & set(ours)  # each tensor in one shard
         ours.update(tensors)
-    reference = state_dict(TINY)
+    reference = state_dict(spec)
     assert sorted(ours) == sorted(reference)
     for name, tensor in reference.items():
         assert (ours[name].shape, ours[name].dtype, ours[name].device.type) == (tensor.shape, tensor.dtype, "cpu"), name
@@ -176,8 +179,9 @@ def test_agreement_report_tells_near_ties_from_errors(e2e):
     assert bad["on_margin"] == pytest.approx(4.99) and bad["off_margin"] == pytest.approx(3.98)
 
 
-def _arm(arm, tok_s, gpu_ms, ttft_ms):
+def _arm(arm, tok_s, gpu_ms, ttft_ms, teacher_forced=None):
     return {
+        "teacher_forced": teacher_forced or {},
         "arm": arm, "errors": [], "device": "NVIDIA H200", "versions": {"vllm": "0.26.0", "torch": "2.11.0"},
         "timing": {"import_s": 29.0, "startup_s": 120.0},
         "engine": {"engine_core_client": "SyncMPClient", "async_scheduling": True, "cudagraph_mode": "FULL_AND_PIECEWISE"},
@@ -248,3 +252,160 @@ def test_arm_environment(e2e, monkeypatch, tmp_path):
     assert "VLLM_AWQ_MOE_GROUPED_DECODE" not in env  # it would contradict the arm's switch
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # vLLM's default multiprocess engine
     assert env["VLLM_LOGGING_CONFIG_PATH"] == str(tmp_path / "log.json")
+
+
+def _scored(*sequences, per_call=1):
+    """A teacher-forced pass as an arm saves it: per sequence, (logprobs, top-1 tokens)."""
+    return {"sequences_per_call": per_call, "tokens_per_sequence": len(sequences[0][0]) + 1,
+            "sequences": [{"logprobs": list(lps), "top1": list(top1)} for lps, top1 in sequences]}
+
+
+def test_teacher_forced_report_per_token_differences(e2e):
+    on = {"single": _scored(([-1.0, -2.0, -0.5], [4, 5, 6]), ([-3.0, -0.25], [7, 8])),
+          "batched": _scored(([-1.0, -2.0, -0.5], [4, 5, 6]), ([-3.0, -0.25], [7, 8]), per_call=2)}
+    off = {"single": _scored(([-1.5, -2.0, -0.25], [4, 9, 6]), ([-3.0, -1.25], [7, 8])),
+           "batched": _scored(([-1.0, -2.0, -0.5], [4, 5, 6]), ([-3.0, -0.25], [7, 8]), per_call=2)}
+    report = e2e.teacher_forced_report(on, off)
+    single = report["single"]
+    # |diffs| 0.5, 0, 0.25, 0, 1.0 over five scored positions
+    assert single["tokens"] == 5 and single["non_finite"] == 0
+    assert single["mean_abs_diff"] == pytest.approx(1.75 / 5) and single["max_abs_diff"] == 1.0
+    # the worst at sequence 1, position 2 (position 0 has no logprob: nothing precedes it)
+    assert single["worst"] == {"sequence": 1, "position": 2, "abs_diff": 1.0, "a": -0.25, "b": -1.25}
+    assert single["top1_agreement"] == 0.8 and single["sequences_per_call"] == 1
+    batched = report["batched"]  # identical scores: zero difference, no worst position
+    assert (batched["tokens"], batched["mean_abs_diff"], batched["max_abs_diff"], batched["worst"],
+            batched["top1_agreement"], batched["sequences_per_call"]) == (5, 0.0, 0.0, None, 1.0, 2)
+
+
+def test_teacher_forced_report_counts_non_finite_apart(e2e):
+    inf = float("inf")
+    on = {"single": _scored(([-inf, -1.0, float("nan")], [1, 2, 3]))}
+    off = {"single": _scored(([-inf, -1.5, -2.0], [1, 2, 3]))}
+    row = e2e.teacher_forced_report(on, off)["single"]
+    # the same -inf in both is agreement; a NaN against a number is not a difference to average
+    assert (row["tokens"], row["non_finite"], row["mean_abs_diff"], row["max_abs_diff"]) == (3, 1, 0.25, 0.5)
+    assert e2e.teacher_forced_report({}, off) == {}  # an arm without the phase: nothing to compare
+    short = {"single": _scored(([-1.0], [1]))}
+    with pytest.raises(ValueError, match="different --tf-tokens"):
+        e2e.teacher_forced_report(short, off)
+
+
+class _Logprob:
+    def __init__(self, logprob, rank):
+        self.logprob, self.rank = logprob, rank
+
+
+def test_prompt_logprob_rows_reads_vllms_prompt_logprobs(e2e):
+    """vLLM's prompt_logprobs: None at position 0, then per position the top-1 and the prompt's own token."""
+    sequence = [11, 12, 13]
+    prompt_logprobs = [None, {12: _Logprob(-0.5, 1)}, {13: _Logprob(-3.0, 7), 40: _Logprob(-0.1, 1)}]
+    assert e2e.prompt_logprob_rows(sequence, prompt_logprobs) == {"logprobs": [-0.5, -3.0], "top1": [12, 40]}
+
+
+def test_moe_backends_from_the_plugins_startup_lines(e2e):
+    gpu_left = ("moe_grouped_decode: MoE layers of shape E=128 k=8 K=2048 N=768 G=128 float16 (first: "
+                "model.layers.0.mlp.experts) left to vLLM's own MARLIN backend: not admitted: vLLM is faster at M=6, 7, "
+                "8 (at best 0.14x; NVIDIA H200, 128x8x2048x768x128 fp16). MOE_GROUPED_DECODE_FORCE=1 serves them with "
+                "the plugin anyway, unmeasured")
+    assert e2e.moe_backends([gpu_left]) == [
+        "vLLM's own MARLIN backend (E=128 k=8 K=2048 N=768 G=128 float16: not admitted: vLLM is faster at M=6, 7, 8 "
+        "(at best 0.14x; NVIDIA H200, 128x8x2048x768x128 fp16))"]
+    summary = ("moe_grouped_decode: 48 MoE layer(s) admitted under contract 'qwen3.8-tp4' (grouped route for 1..112 "
+               "tokens; faster than vLLM at every measured M from 1 to 8192): model.layers.0.mlp.experts ... "
+               "model.layers.47.mlp.experts; 2 served by the plugin's dense route (vLLM has no backend for it here): "
+               "model.layers.0.mlp.experts, model.layers.1.mlp.experts")
+    assert e2e.moe_backends(["moe_grouped_decode: compile pass rewrote 48 of 48 ...", summary]) == [
+        "the plugin, grouped route under contract 'qwen3.8-tp4' (48 layer(s), its prefill route outside the window)",
+        "the plugin's dense route (2 layer(s))"]
+    assert e2e.moe_backends([]) == ["not stated in the log (no plugin line)"]
+
+
+def test_report_with_a_forced_arm(e2e, tmp_path):
+    scores_off = {"single": _scored(([-1.0, -2.0], [4, 5]))}
+    scores_on = {"single": _scored(([-1.0, -2.0], [4, 5]))}
+    scores_force = {"single": _scored(([-1.25, -2.0], [4, 5]))}
+    arms = {"on": _arm("on", {1: 400.0}, {1: 2.4}, {512: 20.0}, scores_on),
+            "off": _arm("off", {1: 400.0}, {1: 2.4}, {512: 20.0}, scores_off),
+            "force": _arm("force", {1: 500.0}, {1: 2.0}, {512: 25.0}, scores_force)}
+    for name, arm in arms.items():
+        (tmp_path / f"arm-{name}.json").write_text(json.dumps(arm))
+    left = ("moe_grouped_decode: MoE layers of shape E=128 k=8 K=2048 N=768 G=128 float16 (first: model.layers.0.mlp.experts) "
+            "left to vLLM's own MARLIN backend: not admitted: no table. MOE_GROUPED_DECODE_FORCE=1 serves them with the "
+            "plugin anyway, unmeasured")
+    for name in ("on", "off"):
+        (tmp_path / f"arm-{name}.log").write_text(f"(EngineCore pid=7) INFO 12-01 10:00:32.000 [startup.py:1] {left}\n")
+    meta = {"command": "e2e_vllm.py --arms on,off,force", "name": "qwen3-30b-a3b-tp1", "shape": [128, 8, 2048, 768, 128],
+            "architecture": "qwen3_moe", "dtype": "float16", "model": "m", "decode_prompt": 128, "decode_tokens": 128,
+            "repeats": 3, "profile_tokens": 24, "kernel_table_concurrency": 1}
+    report = e2e.build_report(tmp_path, meta)
+    assert report["teacher_forced"]["single"]["max_abs_diff"] == 0.0
+    assert report["moe_backends"]["on"] == report["moe_backends"]["off"] == [
+        "vLLM's own MARLIN backend (E=128 k=8 K=2048 N=768 G=128 float16: not admitted: no table)"]
+    assert report["moe_backends"]["force"] == ["not stated in the log (no plugin line)"]
+    force = report["force"]
+    (cell,) = force["decode"]
+    assert cell["force_over_off"] == 1.25 and cell["gpu_off_over_force"] == 1.2
+    assert force["ttft"][0]["force_over_off"] == 1.25
+    assert force["teacher_forced"]["single"]["max_abs_diff"] == 0.25
+    assert force["agreement"]["identical"] == 1
+    text = e2e.markdown(report)
+    assert "MoE shape: qwen3-30b-a3b-tp1 (E,k,K,N,G = 128,8,2048,768,128); architecture qwen3_moe; dtype float16." in text
+    assert "- on: vLLM's own MARLIN backend (E=128 k=8 K=2048 N=768 G=128 float16: not admitted: no table)" in text
+    assert "## Forced (MOE_GROUPED_DECODE_FORCE=1) vs off" in text
+    assert "| 1 | 500.0 | 400.0 | 1.250 | 2.000 | 2.500 | 2.000 | 2.400 | 1.200 | 1.00 | 0.96 |" in text
+    assert "| single | 1 | 2 | 0.125 | 0.25 (0, 1) | 1.0000 | 0 |" in text  # force vs off
+    assert "| single | 1 | 2 | 0 | 0 | 1.0000 | 0 |" in text  # on vs off
+    assert "| | on | off | force |" in text
+    pytest.importorskip("matplotlib")
+    assert e2e.plot(report, tmp_path / "e2e.png") is None
+
+
+def test_shape_options(e2e, tmp_path):
+    from moe_grouped_decode.contract import QWEN38_TP4
+
+    assert e2e.DEFAULT_SHAPE == QWEN38_TP4.shape
+    default = e2e.parse_args(["--out", str(tmp_path)])
+    assert (default.shape, default.name, default.architecture) == (None, "qwen3.8-tp4", "qwen3_moe")
+    assert default.checkpoint == "/tmp/moe_gd_e2e/qwen3.8-tp4-qwen3_moe-48l-float16-s0"
+    spec = e2e.model_spec(default)
+    assert (spec.architecture, spec.moe_shape, spec.num_layers, spec.num_attention_heads) == (
+        "qwen3_moe", (512, 10, 2560, 160, 32), 48, 8)
+    # a shape a shipped table measures takes the table's name; any other, its numbers
+    qwen30 = e2e.parse_args(["--out", str(tmp_path), "--shape", "128,8,2048,768,128", "--heads", "32", "--kv-heads", "4"])
+    assert qwen30.name == "qwen3-30b-a3b-tp1" and qwen30.shape == (128, 8, 2048, 768, 128)
+    spec = e2e.model_spec(qwen30)
+    assert (spec.moe_shape, spec.num_attention_heads, spec.num_key_value_heads) == ((128, 8, 2048, 768, 128), 32, 4)
+    lite = e2e.parse_args(["--out", str(tmp_path), "--architecture", "deepseek_v2", "--shape", "64,6,2048,1408,128",
+                           "--heads", "16", "--layers", "27"])
+    assert lite.name == "64x6x2048x1408x128"
+    assert lite.checkpoint == "/tmp/moe_gd_e2e/64x6x2048x1408x128-deepseek_v2-27l-float16-s0"
+    spec = e2e.model_spec(lite)
+    assert (spec.architecture, spec.moe_shape, spec.num_layers, spec.n_shared_experts, spec.first_k_dense_replace,
+            spec.num_attention_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank, spec.intermediate_size) == (
+        "deepseek_v2", (64, 6, 2048, 1408, 128), 27, 2, 1, 16, 128, 128, 512, 4 * 2048)
+    assert "2 shared expert(s)" in e2e.describe_model(spec) and "MLA 16 heads" in e2e.describe_model(spec)
+    # --smoke: the tiny model of the architecture
+    tiny = e2e.model_spec(e2e.parse_args(["--out", str(tmp_path), "--smoke", "--architecture", "deepseek_v2"]))
+    assert (type(tiny).__name__, tiny.moe_shape, tiny.num_layers) == ("TinyDeepseekV2Spec", (8, 2, 128, 64, 32), 2)
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--out", str(tmp_path), "--shape", "128,8,2048"])
+
+
+def test_child_gets_the_shape_and_architecture(e2e, tmp_path):
+    args = e2e.parse_args(["--out", str(tmp_path), "--architecture", "deepseek_v2", "--shape", "64,6,2048,1408,128",
+                           "--name", "deepseek-v2-lite", "--shared-experts", "1", "--tf-seqs", "8"])
+    child = e2e.parse_args(e2e.child_command(args, "force")[2:])
+    assert child.child == "force"
+    assert (child.architecture, child.shape, child.name, child.shared_experts, child.tf_seqs, child.tf_tokens) == (
+        "deepseek_v2", (64, 6, 2048, 1408, 128), "deepseek-v2-lite", 1, 8, 64)
+    assert child.checkpoint == args.checkpoint
+
+
+def test_forced_arm_environment(e2e, monkeypatch, tmp_path):
+    monkeypatch.setenv("MOE_GROUPED_DECODE_FORCE", "1")  # the caller's: it would contradict the off arm
+    args = e2e.parse_args(["--out", str(tmp_path)])
+    off = e2e.arm_environment(args, "off", tmp_path / "log.json")
+    assert off["MOE_GROUPED_DECODE"] == "0" and "MOE_GROUPED_DECODE_FORCE" not in off
+    force = e2e.arm_environment(args, "force", tmp_path / "log.json")
+    assert (force["MOE_GROUPED_DECODE"], force["MOE_GROUPED_DECODE_FORCE"]) == ("1", "1")
