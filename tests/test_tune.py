@@ -114,6 +114,29 @@ def test_launch_table_entries_serve_every_count_up_to_their_own():
     assert [(e["kernels"], e["M"], e["config"]["w13_block_k"]) for e in entries] == [("gluon", 1, 256), ("gluon", 8, 512)]
 
 
+def test_refined_counts_get_their_own_entries_and_the_rest_keep_theirs():
+    best = {256: "A", 1024: "B", 16384: "C"}
+    counts = (128, 192, 256, 512, 1024, 4096, 10033, 16384)
+    assert tune.entry_for(best, 1) == "A" and tune.entry_for(best, 257) == "B" and tune.entry_for(best, 20000) == "C"
+    assert tune.per_count_entries(best, counts, {}) == best
+    # 10033 now runs "B": 4096 keeps "C" (an entry of its own), 10033 takes "B", 16384 keeps "C"
+    assert tune.per_count_entries(best, counts, {10033: "B"}) == {256: "A", 1024: "B", 4096: "C", 10033: "B",
+                                                                   16384: "C"}
+    # 192 now runs "B": 128 keeps "A" (its own entry), 256 keeps "A"
+    assert tune.per_count_entries(best, counts, {192: "B"}) == {128: "A", 192: "B", 256: "A", 1024: "B",
+                                                                 16384: "C"}
+    # a refined count that keeps its config changes nothing
+    assert tune.per_count_entries(best, counts, {512: "B", 10033: "C"}) == best
+
+
+def test_refinement_takes_thin_prefill_counts_worst_first():
+    tokens = (1, 8, 64, 256, 1024, 10033, 16384)
+    routes = ("grouped", "grouped", "prefill", "prefill", "prefill", "prefill", "prefill")
+    speedups = (3.0, 1.02, 1.08, 1.5, 0.9, 0.89, None)
+    # 8 is the grouped route's; 256 has a wide margin; 1024 was searched; 16384 not measured
+    assert tune.refine_counts(tokens, routes, speedups, searched=(256, 1024, 16384)) == [10033, 64]
+
+
 def test_tune_on_the_interpreter_writes_a_table_the_plugin_reads(tmp_path):
     """The whole tune (search, measurement, refinement, table) on a tiny shape under
     TRITON_INTERPRET=1, with a clock and a vLLM timer given by the check (tune_interpret_check.py)."""

@@ -39,8 +39,8 @@ def clock(step, calls, key):
         step(i)
     CALLS.append(key)
     route, M, *config = key
-    if config:
-        return {FAST: 1.0, SLOW: 2.0, FAST_PREFILL: 3.0, SLOW_PREFILL: 4.0}[config[0]] * M
+    if config:  # at 64 tokens the prefill route's other config is the cheaper (what refine must find)
+        return {FAST: 1.0, SLOW: 2.0, FAST_PREFILL: 3.0, SLOW_PREFILL: 2.0 if M == 64 else 4.0}[config[0]] * M
     # the grouped op wins up to 4 tokens; the plugin beats vLLM everywhere but thinly at 64
     return {"grouped": 5.0 * M if M <= 4 else 1e9, "prefill": 30.0 + M}[route]
 
@@ -62,7 +62,11 @@ def main(cache: Path) -> None:
     # the search kept the cheaper config at every searched count
     assert {e["M"]: e["config"]["w13_block_k"] for e in table.grouped} == {1: 32, 2: 32, 4: 32, 8: 32}, table.grouped
     assert all(e["kernels"] == "tl" for e in table.grouped)
-    assert [(e["M"], PrefillConfig(**e["config"])) for e in table.prefill] == [(256, FAST_PREFILL)], table.prefill
+    # searched at 256; refined at 64, the one prefill count with a thin margin, where the other
+    # config is cheaper: 64 gets its own entry and the counts below it keep theirs
+    assert [(e["M"], PrefillConfig(**e["config"])) for e in table.prefill] == [
+        (55, FAST_PREFILL), (64, SLOW_PREFILL), (256, FAST_PREFILL)], table.prefill
+    assert any("searched again at 1 counts" in line and "[64]" in line for line in logged), logged
     # the measurement: grouped up to 4 tokens, prefill above; the thin margin at 64 got neighbours
     assert r.grouped_tokens == (1, 4), r
     assert r.routes == tuple("grouped" if m <= 4 else "prefill" for m in r.tokens)
@@ -72,6 +76,8 @@ def main(cache: Path) -> None:
     assert verdict.admitted and verdict.closest[0] == 64, verdict
     # the measurement ran the ops with the searched configs (the draft table was in place)
     assert ("grouped", 4) in CALLS and ("prefill", 256) in CALLS
+    assert ("prefill", 64, SLOW_PREFILL) in CALLS and CALLS.count(("prefill", 64)) == 2  # timed again, refined
+    assert ("prefill", 48, SLOW_PREFILL) not in CALLS  # wide margins are not searched again
 
     # written and read back where the plugin reads a user's tables; the plugin then admits the shape
     versions = {"torch": torch.__version__, "triton": "test", "vllm": "test"}
@@ -84,6 +90,8 @@ def main(cache: Path) -> None:
     assert choice.route == "grouped" and "faster than vLLM" in choice.reason, choice
     assert grouped_config(SPEC.shape, GPU, "tl", "fp16", 3) == FAST.fitted(64)
     assert prefill_config(SPEC.shape, GPU, "fp16", 100) == FAST_PREFILL
+    assert prefill_config(SPEC.shape, GPU, "fp16", 60) == SLOW_PREFILL  # 56..64: the refined entry's
+    assert prefill_config(SPEC.shape, GPU, "fp16", 55) == FAST_PREFILL
     # a search cut short keeps, at every count it did not reach, what the op runs without the tune
     progress = tune.Progress(1, out=open(os.devnull, "w"))
     other = dataclasses.replace(SPEC, shape=(8, 2, 64, 32, 32))

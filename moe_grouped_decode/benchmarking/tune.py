@@ -21,7 +21,11 @@ weights through one CUDA graph:
    vLLM where it has its compiled ops, else the project's harnesses over vLLM's fetched
    sources, ``--vllm-sources``); then once more between neighbours whose margin is thin, so
    the grid brackets every crossing;
-3. decide: the grouped window (the longest run of counts from 1 where the grouped op is the
+3. refine: the prefill route's configs searched again at each count it serves with a margin
+   under 10% (worst first, within ``--refine-budget-s``), each count then running its own
+   best (a group size tuned at a power of two can straddle an expert's rows just above it),
+   and the counts whose config changed measured again;
+4. decide: the grouped window (the longest run of counts from 1 where the grouped op is the
    faster route), the plugin's route and time per count, the verdict (``tables.verdict``:
    admitted only if faster than every vLLM backend at every count).
 
@@ -55,6 +59,8 @@ GROUPED_SEARCH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_SEARCH_TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 # between two measured counts whose margin over vLLM is below this, one more count is measured
 THIN_MARGIN = 1.05
+# a prefill-route count whose margin is below this gets its own config search (step 3)
+REFINE_MARGIN = 1.10
 # a candidate config must agree with the prefill route's default this well (max |diff| / max |ref|):
 # the ops' fp16 bound; bf16's correctly rounded outputs alone can sit 2^-8 apart, 8x it
 SCALED_DIFF_BOUND = {"fp16": 2e-3, "bf16": 16e-3}
@@ -187,6 +193,33 @@ def route_table(tokens: Sequence[int], grouped_us: Sequence[Optional[float]], pr
     plugin = tuple(g if r == "grouped" else p for r, g, p in zip(routes, grouped_us, prefill_us))
     return tables.RouteTable(tokens=tuple(tokens), routes=routes, plugin_us=plugin,
                              vllm_us={b: tuple(v) for b, v in vllm_us.items()}, grouped_tokens=window)
+
+
+def entry_for(best: Dict[int, object], M: int):
+    """The config of ``best`` ({M: config} as launch-table entries) that serves ``M``: the entry
+    of the smallest M at or above it, the largest entry above them all."""
+    at = min((m for m in best if m >= M), default=max(best))
+    return best[at]
+
+
+def per_count_entries(best: Dict[int, object], counts: Sequence[int], refined: Dict[int, object]) -> Dict[int, object]:
+    """Entries that give each measured count of ``counts`` its ``refined`` config, or else the one
+    it ran under ``best``, and keep every other count's config as ``best`` gave it (``best``'s
+    entries are among ``counts``); an entry whose config equals the next one's is dropped (the
+    next serves its counts too)."""
+    counts = sorted(set(counts) | set(best))
+    wanted = {m: refined.get(m, entry_for(best, m)) for m in counts}
+    return {m: c for i, (m, c) in enumerate(wanted.items()) if i + 1 == len(counts) or wanted[counts[i + 1]] != c}
+
+
+def refine_counts(tokens: Sequence[int], routes: Sequence[str], speedups: Sequence[Optional[float]],
+                  searched: Iterable[int], margin: float = REFINE_MARGIN) -> List[int]:
+    """The prefill route's counts worth their own search: served by it, not yet searched, the
+    margin over vLLM under ``margin``; the worst first."""
+    searched = set(searched)
+    thin = [(s, m) for m, r, s in zip(tokens, routes, speedups)
+            if r == "prefill" and m not in searched and s is not None and s < margin]
+    return [m for _, m in sorted(thin)]
 
 
 def launch_table_entries(best: Dict[int, object], family: Optional[str] = None) -> Tuple[dict, ...]:
@@ -377,7 +410,8 @@ def time_routes(measure: Measurement, tokens: Sequence[int], grouped_max: int, p
 
 
 def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: int = tables.LARGEST_STEP,
-         grouped_max: int = 256, budget_s: float = 200.0, refine: bool = True, generator: str = "",
+         grouped_max: int = 256, budget_s: float = 200.0, refine: bool = True, refine_budget_s: float = 60.0,
+         generator: str = "",
          grouped_candidates: Sequence = (), prefill_candidates: Sequence = (), family: str = "gluon",
          log=print) -> Tuple[tables.MeasuredTable, dict]:
     """Search, measure and decide (module docstring); returns the table and what could not be
@@ -411,7 +445,52 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
             log(f"[tune] thin margins: {len(more)} counts more between neighbours: {more}")
             progress.add(len(more) + sum(m <= grouped_max for m in more) + 1)
             timings.update(time_routes(measure, more, grouped_max, progress, missing))
+    if refine and prefill_candidates:
+        best_prefill = refine_prefill(measure, timings, best_prefill, prefill_candidates, table_of, progress,
+                                      time.time() + refine_budget_s, log)
     return table_of(timings), {"missing": missing, "timings": {m: dataclasses.asdict(t) for m, t in timings.items()}}
+
+
+def refine_prefill(measure: Measurement, timings: Dict[int, "Timings"], best: Dict[int, object],
+                   candidates: Sequence, table_of: Callable, progress: Progress, deadline: float,
+                   log=print) -> Dict[int, object]:
+    """Step 3 of the module docstring: search the prefill route's configs at each count
+    ``refine_counts`` names (until ``deadline``), give each measured count its own entry and
+    time the prefill route again where a count's config changed (``timings`` updated in place);
+    returns the new entries."""
+    routes = table_of(timings).routes
+    counts = refine_counts(routes.tokens, routes.routes, routes.speedups(), best)
+    if not counts:
+        return best
+    log(f"[tune] prefill configs searched again at {len(counts)} counts with a margin under "
+        f"{REFINE_MARGIN:.2f}x: {counts}")
+    refined: Dict[int, object] = {}
+    with tables.table_registered(table_of(timings)):
+        for M in counts:
+            if time.time() > deadline:
+                log(f"[tune] refine: budget spent; {len(counts) - len(refined)} counts keep their configs")
+                break
+            worth = plausible_prefill(candidates, M, measure.spec.shape)
+            worth = list(dict.fromkeys(worth + [entry_for(best, M)]))
+            progress.add(len(worth))
+            refined.update(search(measure, "prefill", [M], worth, progress, deadline, log))
+    entries = per_count_entries(best, sorted(timings), refined)
+    changed = [m for m in sorted(timings) if entry_for(entries, m) != entry_for(best, m)]
+    if not changed:
+        return best
+    log(f"[tune] refine: new configs at {changed}; timed again")
+    progress.add(len(changed))
+    import torch
+
+    ops = torch.ops.moe_grouped_decode
+    with tables.table_registered(dataclasses.replace(table_of(timings), prefill=launch_table_entries(entries))):
+        for M in changed:
+            ids, tws, xs = measure.inputs(M)
+            progress.step(f"prefill M={M} (refined)")
+            timings[M].prefill_us = measure.clock(
+                lambda i: ops.awq_moe_dense(xs[i], tws[i], ids[i], *measure.layers[i].op_args()),
+                measure.count(M), ("prefill", M))
+    return entries
 
 
 # --------------------------------------------------------------------------- candidates
@@ -560,7 +639,8 @@ def run(args, spec: LayerSpec) -> int:
     command = "python -m moe_grouped_decode tune " + " ".join(args.argv)
     command = re.sub(r" --report-dir[ =]\S+", "", command)
     table, extra = tune(measure, gpu, ver, max_tokens=args.max_tokens, grouped_max=args.grouped_max,
-                        budget_s=args.budget_s, refine=not args.no_refine, generator=command,
+                        budget_s=args.budget_s, refine=not args.no_refine, refine_budget_s=args.refine_budget_s,
+                        generator=command,
                         grouped_candidates=grouped_candidates(capability, family),
                         prefill_candidates=prefill_candidates(capability), family=family)
     for backend, why in extra["missing"].items():
@@ -598,7 +678,10 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=200.0, help="seconds for the config search")
     parser.add_argument("--reps", type=int, default=20, help="CUDA-graph replays per timing (the median is kept)")
     parser.add_argument("--large-layers", type=int, default=8, help="layers rotated where every expert is read")
-    parser.add_argument("--no-refine", action="store_true", help="no extra counts between thin neighbours")
+    parser.add_argument("--refine-budget-s", type=float, default=60.0, help="seconds for the prefill route's "
+                        "search again at counts with thin margins (step 3)")
+    parser.add_argument("--no-refine", action="store_true", help="no extra counts between thin neighbours, no "
+                        "search again there")
     parser.add_argument("--vllm-sources", default=".vllm_moe_src", help="vLLM's fetched sources (where vLLM itself "
                         "is not installed with its CUDA ops)")
     parser.add_argument("--ship", action="store_true", help="write to the package's tables/ (the project's own runs)")
