@@ -4,10 +4,11 @@ A *contract* names one MoE layer family that the plugin serves, and the token wi
 which its grouped decode route runs (every other token count of an admitted layer takes the
 prefill route: ``awq_moe_dense``). ``admits`` is the single source of truth for every
 admission decision in the project: the runtime route, warmup, the Inductor rewrite, the vLLM
-method and the CLI all ask it, so they can never disagree. The windows are data: the measured
-tables (``tables.py``: per GPU model, shape and dtype), or ``MOE_GROUPED_DECODE_WINDOW`` (e.g.
-the seeds' ``2..8``) over them. Whether the plugin serves a layer at all, or vLLM does, is
-``choose_method``'s question: a table measured on the GPU at hand must say the plugin wins.
+method and the CLI all ask it (a token count's route through the lookup, ``kernels/lookup.py``),
+so they can never disagree. The windows are data: the measured tables (``tables.py``: per GPU
+model, shape and dtype), or ``MOE_GROUPED_DECODE_WINDOW`` (e.g. the seeds' ``2..8``) over them.
+Whether the plugin serves a layer at all, or vLLM does, is ``choose_method``'s question: a table
+measured on the GPU at hand must say the plugin wins.
 
 Shape letters used throughout the package:
 
@@ -62,6 +63,11 @@ class LayerShape:
             group_size=int(group_size),
             dtype=hidden_states.dtype,
         )
+
+    @property
+    def shape(self) -> Tuple[int, int, int, int, int]:
+        """(E, k, K, N, G): what the launch tables key a layer by, besides its dtype."""
+        return (self.num_experts, self.top_k, self.hidden_size, self.intermediate_size, self.group_size)
 
 
 @dataclass(frozen=True)
@@ -171,8 +177,13 @@ def measured_contracts(gpu: Optional[str]) -> Tuple[ShapeContract, ...]:
 _MEASURED: Tuple[ShapeContract, ...] = measured_contracts(None)
 _INTERNED: dict = {c: c for c in _MEASURED}
 _REGISTRY: dict[str, ShapeContract] = {c.name: c for c in _MEASURED}
+_registry_generation = 0  # bumped whenever _REGISTRY changes (lookups cached downstream key on it)
 # qwen3.8 at TP4: the first shape the plugin was built for, its windows from the preferred GPU's tables
 QWEN38_TP4 = _REGISTRY["qwen3.8-tp4"]
+
+
+def registry_generation() -> int:
+    return _registry_generation
 
 
 def registered_contracts() -> Tuple[ShapeContract, ...]:
@@ -181,14 +192,19 @@ def registered_contracts() -> Tuple[ShapeContract, ...]:
 
 def register_contract(contract: ShapeContract) -> None:
     """Add a contract. Names are unique; re-registering the same one is a no-op."""
+    global _registry_generation
     existing = _REGISTRY.get(contract.name)
     if existing is not None and existing != contract:
         raise ValueError(f"a different contract named {contract.name!r} is already registered")
     _REGISTRY[contract.name] = contract
+    if existing is None:
+        _registry_generation += 1
 
 
 def unregister_contract(name: str) -> None:
-    _REGISTRY.pop(name, None)
+    global _registry_generation
+    if _REGISTRY.pop(name, None) is not None:
+        _registry_generation += 1
 
 
 @contextlib.contextmanager
@@ -208,7 +224,7 @@ def apply_tables(gpu_name: Optional[str], versions: Optional[dict] = None) -> No
     calls it once the GPU's name is known; at import the preferred GPU's windows apply), reading a
     user's tables for ``versions`` (``tune``'s cache) over the shipped ones first.
     MOE_GROUPED_DECODE_WINDOW, when set, stays over the windows."""
-    global _MEASURED
+    global _MEASURED, _registry_generation
     if versions is not None:
         tables.use_cached_tables(versions)
     for contract in _MEASURED:
@@ -217,6 +233,7 @@ def apply_tables(gpu_name: Optional[str], versions: Optional[dict] = None) -> No
     _MEASURED = tuple(_INTERNED.setdefault(c, c) for c in measured_contracts(gpu_name))
     for contract in _MEASURED:
         _REGISTRY[contract.name] = contract
+    _registry_generation += 1
 
 
 def contracts_fingerprint() -> str:

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from .awq import synthetic_for_contract
-from .contract import QWEN38_TP4, LayerShape, admits
+from .contract import QWEN38_TP4, LayerShape
+from .kernels.lookup import launch_choice
 from .ops import alloc_workspace, error_stats, reference_moe
 
 # fp16 bound from the evidence standard: max |out - ref| <= 2e-3 * max |ref|
@@ -64,7 +65,7 @@ def run_operator_check(device: str = "cpu", dtype: torch.dtype = torch.float16, 
         x = torch.randn(m, contract.hidden_size, generator=generator).to(dtype).to(device)
         topk_weights, topk_ids = random_routing(m, contract.num_experts, contract.top_k, generator, device)
         shape = LayerShape.from_tensors(x, topk_ids, weights.w13_qweight, weights.w2_qweight, weights.group_size)
-        route = "grouped" if admits(shape, m) else "prefill"
+        route = launch_choice(x.device, shape.shape, dtype, m).route
         ref = reference_moe(x, topk_weights, topk_ids, weights)
         active = topk_ids.unique().numel()
         outputs = {}
@@ -88,7 +89,7 @@ def run_operator_check(device: str = "cpu", dtype: torch.dtype = torch.float16, 
         if agree.scaled_max_abs > SCALED_MAX_ABS_BOUND:
             all_ok = False
             print(f"    prefill and grouped disagree at M={m}: max_abs {agree.max_abs:.3e}")
-    print(f"route: 'grouped' where admits() accepts M (window {contract.min_tokens}..{contract.max_tokens}); "
+    print(f"route: 'grouped' where the lookup routes M so (window {contract.min_tokens}..{contract.max_tokens}); "
           f"bound: max_abs <= {SCALED_MAX_ABS_BOUND} * max|ref|")
     print("operator check:", "PASS" if all_ok else "FAIL")
     return all_ok

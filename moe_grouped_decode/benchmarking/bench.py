@@ -10,8 +10,8 @@ there, and the output says so.
 Columns, measured in the same run on the same weights, routing and activations:
   grouped      the grouped op (awq_moe_grouped_decode), up to M = --grouped-max
   prefill      the prefill route (awq_moe_dense: the on-device sort, W13 + SiLU, W2, combine)
-  plugin       the route the plugin runs at this M for the layer (contract.admits: grouped
-               where it admits M, prefill elsewhere), and its time
+  plugin       the route the plugin runs at this M for the layer (kernels.lookup's: grouped
+               where the layer's contract admits M, prefill elsewhere), and its time
   humming      vLLM 0.32's HUMMING MoE backend (what stock vLLM picks on an H200), and
   marlin       its MARLIN backend, through benchmarking.vllm_moe (an installed vLLM 0.32's
                ops, else built from --vllm-sources); not measured with --no-vllm
@@ -39,7 +39,9 @@ import torch
 
 from .. import env
 from ..awq import synthetic_moe_weights
-from ..contract import QWEN38_TP4, LayerShape, admits
+from ..contract import QWEN38_TP4
+from ..kernels import device_facts
+from ..kernels.lookup import launch_choice
 from .replay import graph_replay_us
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -108,7 +110,6 @@ def run(args) -> Dict:
     dtype = DTYPES[args.dtype]
     c = QWEN38_TP4
     E, k, K, N = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size
-    shape = LayerShape(E, k, K, N, c.group_size, dtype)
     device = torch.device("cuda")
     t0 = time.time()
     tokens = sorted({int(m) for m in args.tokens.split(",") if m})
@@ -131,7 +132,7 @@ def run(args) -> Dict:
         live_counts = [torch.tensor([a.numel()], dtype=torch.int32, device=device) for a in active_lists]
         max_active = min(M * k, E)
         sink = torch.empty(max_active * floor_blocks(layers[0].tensors()), dtype=torch.int32, device=device)
-        plugin_route = "grouped" if admits(shape, M) else "prefill"
+        plugin_route = launch_choice(device, c.shape, dtype, M).route
         row = {"M": M, "layers": count, "active_experts": mean_active, "active_MB": mean_active * per_expert / 1e6,
                "route": plugin_route, "compute_us": layer_flops(M, k, K, N) / (args.peak_tflops * 1e12) * 1e6}
 
@@ -188,7 +189,7 @@ def run(args) -> Dict:
         "large_layers": {"from_M": args.large_from, "layers": args.large_layers},
         "peak_tflops": args.peak_tflops,
         "bytes_per_expert": per_expert,
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": device_facts(device).name,
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "python": platform.python_version(),
@@ -229,12 +230,12 @@ def _sweep(args, layers, workspace, gen) -> List[Dict]:
     """Every autotune candidate config of the grouped op at each of ``--sweep``'s token counts
     (the unit tests cover only the table's configs)."""
     from ..kernels import config as kernel_config
-    from ..kernels import cuda_capability, plan
+    from ..kernels import plan
     from ..ops import launch_grouped
 
-    device = torch.device("cuda")
+    facts = device_facts(torch.device("cuda"))
     configs = [candidate.fitted(QWEN38_TP4.hidden_size)
-               for candidate in kernel_config.grouped_candidates(cuda_capability(device), plan.kernel_family(device))]
+               for candidate in kernel_config.grouped_candidates(facts.capability, plan.kernel_family(facts))]
 
     def launch(x, tw, ids, weights, out, config):
         launch_grouped(x, tw, ids, weights, workspace, out, config)

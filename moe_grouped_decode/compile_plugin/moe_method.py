@@ -18,8 +18,9 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig, AutoAWQMoEMethod
 from vllm.scalar_type import scalar_types
 
-from ..contract import ACTIVATION_DTYPES, Admission, LayerShape, admits
+from ..contract import ACTIVATION_DTYPES, Admission, LayerShape
 from ..env import batch_invariant
+from ..kernels.lookup import launch_choice
 from ..ops import alloc_workspace, local_expert_ids
 
 # One workspace per (device, rows, K, N): MoE layers run one after another, so
@@ -108,7 +109,7 @@ class AwqMoeGroupedDecodeMethod(AutoAWQMoEMethod):
     ``vllm::moe_forward`` (its CUDA build), the pass swaps that call for
     ``moe_grouped_decode::vllm_moe_forward_grouped``, which runs the layer
     inside :meth:`grouped_route`, and ``apply`` then takes the grouped op
-    for every token count ``admits`` accepts.
+    for every token count the lookup (``kernels/lookup.py``) routes grouped.
     """
 
     def __init__(self, quant_config: AutoAWQConfig, moe: FusedMoEConfig, shape: LayerShape, admission: Admission):
@@ -186,7 +187,8 @@ class AwqMoeGroupedDecodeMethod(AutoAWQMoEMethod):
         # Data-parallel EP gathers every DP rank's tokens before apply, which can
         # pass what the workspace was sized for (one engine's max_num_batched_tokens).
         num_tokens = x.shape[0]
-        if self._grouped_route and num_tokens <= self.workspace_tokens and admits(self.shape, num_tokens):
+        if (self._grouped_route and num_tokens <= self.workspace_tokens
+                and launch_choice(x.device, self.shape.shape, self.shape.dtype, num_tokens).route == "grouped"):
             return torch.ops.moe_grouped_decode.awq_moe_grouped_decode(
                 x, topk_weights, topk_ids, *weights, self.workspace
             )

@@ -11,7 +11,8 @@
   that call for layers the plugin admitted and swaps the op for
   ``moe_grouped_decode::vllm_moe_forward_grouped`` (``..._shared_grouped``),
   declared with the very same schema, which runs the layer with the grouped
-  op allowed (``admits`` picks per call from M; a captured graph has a fixed M).
+  op allowed (the lookup, ``kernels/lookup.py``, picks per call from M; a captured
+  graph has a fixed M).
 
 Both run inside :class:`VllmGroupedDecodePass`, one ``InductorPass`` placed in
 ``compilation_config.inductor_compile_config["post_grad_custom_post_pass"]``
@@ -44,7 +45,8 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import LayerName
 
 from .. import __version__
-from ..contract import ShapeContract, admitted_window, contracts_fingerprint
+from ..contract import ShapeContract, contracts_fingerprint
+from ..kernels.lookup import grouped_tokens
 from ..lowerings import GroupedDecodePass
 from ..lowerings.grouped_decode import token_range_of
 from .startup import LAYER_DECISIONS
@@ -139,8 +141,8 @@ class MoeForwardGroupedPass:
 
     A call is swapped when its layer's method is the plugin's with a contract
     match, and some token count in the graph's range (``token_range`` narrows a
-    symbolic M, as vLLM's compile range does) is admitted. The swapped op
-    re-asks ``admits`` with the concrete M on every call.
+    symbolic M, as vLLM's compile range does) takes the grouped route (``lookup.grouped_tokens``).
+    The swapped op asks the lookup again with the concrete M on every call.
     """
 
     def __init__(self, token_range: Optional[TokenRange] = None) -> None:
@@ -180,7 +182,7 @@ class MoeForwardGroupedPass:
             return "layer not admitted by a contract" if decision else "not a layer the plugin serves"
         num_tokens = hidden_states.meta["val"].shape[0]
         tokens = token_range_of(num_tokens, self.token_range)
-        if tokens is None or admitted_window(decision.shape, tokens) is None:
+        if tokens is None or grouped_tokens(decision.shape.shape, decision.shape.dtype, tokens).tokens is None:
             return f"no admitted token count in {tokens or self.token_range}"
         return None
 

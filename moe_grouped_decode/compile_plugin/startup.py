@@ -1,7 +1,8 @@
 """Startup decisions: can the grouped route run here, which layers took it, warmup.
 
-Every decision asks :func:`moe_grouped_decode.contract.admits`; this module
-only records the answers and reports them once.
+Every layer's decision is :func:`moe_grouped_decode.contract.choose_method`'s and every
+token count's route is the lookup's (``kernels/lookup.py``); this module only records the
+answers and reports them once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..contract import Admission, LayerChoice, LayerShape, admits
+from ..contract import Admission, LayerChoice, LayerShape
 from ..env import (FORCE_ENV, GROUPED_DECODE_ENV, GroupedDecodeMode, batch_invariant, force_plugin, gluon_w13_enabled,
                    grouped_decode_mode, switch_setting)
 from ..kernels import MIN_CUDA_CAPABILITY
@@ -180,28 +181,21 @@ def _names(names) -> str:
     return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]}"
 
 
-def admitted_token_counts(shape: LayerShape, max_tokens: int) -> list:
-    """Every M up to ``max_tokens`` that ``admits`` accepts for ``shape``."""
-    contract = admits(shape, None).contract
-    if contract is None:
-        return []
-    return [m for m in range(contract.min_tokens, min(contract.max_tokens, max_tokens) + 1) if admits(shape, m)]
-
-
 _warmed_up: set = set()  # (layer shape, device) already compiled in this process
 
 
 def warm_up_kernels(layer, method) -> None:
     """Compile every kernel variant any token count will launch, before graph capture: the grouped
-    op at every count ``admits`` accepts (the same function the runtime asks), the prefill route
-    at the counts that cover all of its binaries up to the engine's limit. Triton compiles a
-    variant the first time a launch needs it; doing it here, at weight-loading time, keeps
-    compilation out of CUDA-graph capture and out of serving. Once per layer shape and device;
-    the CPU implementation has nothing to compile.
+    op at every count the method's workspace holds that the lookup routes grouped (the lookup
+    ``apply`` asks), the prefill route at the counts that cover all of its binaries up to the
+    engine's limit. Triton compiles a variant the first time a launch needs it; doing it here,
+    at weight-loading time, keeps compilation out of CUDA-graph capture and out of serving. Once
+    per layer shape and device; the CPU implementation has nothing to compile.
     """
     if layer.w13_qweight.device.type != "cuda":
         return
     from ..awq import AwqMoeWeights
+    from ..kernels.lookup import grouped_token_counts
     from ..ops import cuda
 
     shape = method.shape
@@ -212,5 +206,6 @@ def warm_up_kernels(layer, method) -> None:
     weights = AwqMoeWeights(layer.w13_qweight, layer.w13_scales, layer.w13_qzeros, layer.w2_qweight, layer.w2_scales,
                             layer.w2_qzeros, shape.group_size)
     cuda.watch_compiles_after_warmup(logger.warning)  # a binary missed here would compile in capture or serving
-    cuda.warmup(weights, shape.top_k, admitted_token_counts(shape, method.moe.max_num_tokens),
-                dense_token_counts=cuda.prefill_warmup_counts(method.moe.max_num_tokens), workspace=method.workspace)
+    grouped = grouped_token_counts(layer.w13_qweight.device, shape.shape, shape.dtype, method.workspace_tokens)
+    cuda.warmup(weights, shape.top_k, grouped, dense_token_counts=cuda.prefill_warmup_counts(method.moe.max_num_tokens),
+                workspace=method.workspace)

@@ -1,4 +1,5 @@
-"""Triton kernels and their launch plans and configurations. No torch.library here.
+"""Triton kernels and their launch plans and configurations. No torch.library here. This module:
+what the plans and tables need to know of a device (``DeviceFacts``), asked once per device.
 
     plan.py          both routes' launch plans: which kernels, grids and constexprs; the loop that runs them
     w13_gluon.py     W13 (split-K partials), loads staged in shared memory (Gluon)
@@ -19,11 +20,12 @@
     carveout.py      the shared-memory carveout preference of a compiled kernel
     timeline.py      the in-kernel timestamps (compiled out unless a plan asks for them)
     config.py        launch configs, the measured tables (configs/*.json), the autotune cache
+    lookup.py        the one lookup: (device, layer shape, dtype, M) -> the route and its launch config
 """
 
-import functools
 import os
-from typing import Tuple
+from dataclasses import dataclass
+from typing import Dict, Tuple
 
 import torch
 
@@ -31,17 +33,54 @@ import torch
 MIN_CUDA_CAPABILITY = (8, 0)
 
 
-@functools.lru_cache(maxsize=None)
-def device_name(device: torch.device) -> str:
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the launch tables and plans need to know of a device."""
+
+    name: str  # the GPU's name as the measured tables key it; the device type off CUDA
+    capability: Tuple[int, int]  # what the kernels compile for; (0, 0) off CUDA and under the interpreter
+
+
+_FACTS: Dict[torch.device, DeviceFacts] = {}
+
+
+def query_device_name(device: torch.device) -> str:
     """The GPU's name as the launch tables key it (``torch.cuda.get_device_name``); the device
     type elsewhere."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-@functools.lru_cache(maxsize=None)
-def cuda_capability(device: torch.device) -> Tuple[int, int]:
-    """Compute capability the kernels are compiled for on ``device``, asked once per device
-    (every grouped call asks); (0, 0) off CUDA and under the interpreter (no PTX runs)."""
+def query_capability(device: torch.device) -> Tuple[int, int]:
+    """Compute capability the kernels are compiled for on ``device``; (0, 0) off CUDA and under
+    the interpreter (no PTX runs)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return (0, 0)
-    return torch.cuda.get_device_capability(device)
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def device_facts(device) -> DeviceFacts:
+    """``device``'s name and capability, asked once per device (every call of the ops reads them:
+    the question must not reach the driver each time)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        # "cuda" means the current device, which a later set_device may change: keyed by its index
+        device = torch.device("cuda", torch.cuda.current_device())
+    facts = _FACTS.get(device)
+    if facts is None:
+        facts = _FACTS[device] = DeviceFacts(query_device_name(device), query_capability(device))
+    return facts
+
+
+def forget_device_facts() -> None:
+    """Ask every device again at its next use (tests that fake a device)."""
+    _FACTS.clear()
+
+
+def device_name(device) -> str:
+    """``device_facts(device).name``."""
+    return device_facts(device).name
+
+
+def cuda_capability(device) -> Tuple[int, int]:
+    """``device_facts(device).capability``."""
+    return device_facts(device).capability

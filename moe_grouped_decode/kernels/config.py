@@ -305,6 +305,11 @@ def cache_path(gpu_name: str, triton_version: str) -> Path:
 
 _tuned: Dict[EntryKey, GroupedConfig] = {}
 _loaded_files: set = set()
+_tuned_generation = 0  # bumped whenever _tuned changes (lookups cached downstream key on it)
+
+
+def tuned_generation() -> int:
+    return _tuned_generation
 
 
 def _read_cache(path: Path) -> list:
@@ -318,15 +323,19 @@ def _read_cache(path: Path) -> list:
 
 def load_tuned(path: Path) -> None:
     """Read a tuning cache file into memory once (missing or corrupt files and entries are ignored)."""
+    global _tuned_generation
     if path in _loaded_files:
         return
     _loaded_files.add(path)
     _tuned.update(read_entries(_read_cache(path)))
+    _tuned_generation += 1
 
 
 def store_tuned(path: Path, key: EntryKey, config: GroupedConfig) -> None:
     """Remember ``config`` for ``key`` and write it to the cache file (atomically)."""
+    global _tuned_generation
     _tuned[key] = config
+    _tuned_generation += 1
     entries = {entry_key(e): e for e in _read_cache(path) if isinstance(e, dict) and entry_key(e) is not None}
     entries[key] = make_entry(key, config)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -343,8 +352,10 @@ def tuned_config(key: EntryKey) -> Optional[GroupedConfig]:
 def forget_tuned() -> None:
     """Drop every tuned config read or stored in this process (the next load_tuned reads its
     file again)."""
+    global _tuned_generation
     _tuned.clear()
     _loaded_files.clear()
+    _tuned_generation += 1
 
 
 # --------------------------------------------------------------------------- lookups

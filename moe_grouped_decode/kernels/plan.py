@@ -1,10 +1,10 @@
 """The launch plans of both routes: which kernels one call runs, with their grids and constexprs.
 
 A plan is built once per (layer shape, M, dtype, config, GPU capability, the switches below)
-and cached; the op's CUDA implementation is ``launch_plan``, a loop over it, and the tools that
-compile or time the kernels (``benchmarks/sass_stats.py``, ``benchmarks/timeline.py``, the
-benchmark's per-stage breakdown) read the same plan. ``grouped_plan`` is the one place that
-picks the kernel variants::
+and cached (which config a call runs is the lookup's, ``lookup.py``); the op's CUDA
+implementation is ``launch_plan``, a loop over it, and the tools that compile or time the
+kernels (``benchmarks/sass_stats.py``, ``benchmarks/timeline.py``, the benchmark's per-stage
+breakdown) read the same plan. ``grouped_plan`` is the one place that picks the kernel variants::
 
     topk_ids, x ──> [W13]  w13_gluon (loads staged in shared memory) or w13_tl
                     │      program 0 zeroes the combine counters; program (row, split, tile):
@@ -45,12 +45,12 @@ import torch
 import triton
 
 from .. import env
-from . import (MIN_CUDA_CAPABILITY, cuda_capability, device_name, expert_sort, gluon_helpers, prefill, prefill_dot,
+from . import (MIN_CUDA_CAPABILITY, DeviceFacts, device_facts, expert_sort, gluon_helpers, prefill, prefill_dot,
                prefill_wgmma, w13_gluon, w13_tl, w2_gluon, w2_tl)
 from .awq_mma import CHUNK_ROWS, TILE_WORDS
 from .carveout import prefer_max_shared_carveout
 from .combine import COMBINE_BLOCK, COMBINE_WARPS, combine_kernel, combine_valid_kernel
-from .config import GroupedConfig, PrefillConfig, grouped_config
+from .config import GroupedConfig, PrefillConfig
 from .pdl import launch_options, pdl_supported
 from .timeline import W2_STAMPS, W13_STAMPS
 
@@ -164,15 +164,19 @@ def gluon_runs(capability: Tuple[int, int]) -> bool:
     return gluon_helpers.AVAILABLE and capability != (0, 0) and env.gluon_w13_enabled()
 
 
-def kernel_family(device: torch.device) -> str:
-    """The launch tables' kernel family on ``device``: "gluon" where the Gluon kernels run, else "tl"."""
-    return "gluon" if gluon_runs(cuda_capability(device)) else "tl"
+def kernel_family(device) -> str:
+    """The launch tables' kernel family on ``device`` (a torch device or its ``DeviceFacts``):
+    "gluon" where the Gluon kernels run, else "tl"."""
+    facts = device if isinstance(device, DeviceFacts) else device_facts(device)
+    return "gluon" if gluon_runs(facts.capability) else "tl"
 
 
-def config_for(shape, dtype: torch.dtype, num_tokens: int, device: torch.device) -> GroupedConfig:
-    """The launch config the op runs for ``shape`` (E, k, K, N, G) at ``num_tokens`` on ``device``:
-    tuned, then the measured table of the kernel family that runs there, then the default."""
-    return grouped_config(tuple(shape), device_name(device), kernel_family(device), DTYPE_NAMES[dtype], num_tokens)
+def config_for(shape, dtype: torch.dtype, num_tokens: int, device) -> GroupedConfig:
+    """The launch config the grouped op runs for ``shape`` (E, k, K, N, G) at ``num_tokens`` on
+    ``device``: ``lookup.launch_choice``'s for the grouped route."""
+    from .lookup import launch_choice  # the lookup builds its plans here: imported at the call
+
+    return launch_choice(device, shape, dtype, num_tokens, route="grouped").config
 
 
 def _check_capability(route: str, capability: Tuple[int, int]) -> None:

@@ -13,8 +13,10 @@ Admission. For each matched call the pass reads the layer shape (E, k, K, N, G,
 activation dtype) from the fake tensors and the token count M from
 ``hidden_states.shape[0]``: a concrete M, or a symbolic M's value range from the
 ShapeEnv (``bound_sympy``), or the pass's ``token_range`` hint in its place
-(vLLM's compile range; see ``token_range_of`` for why it replaces the ShapeEnv's). Every decision is
-``contract.admits(...)``; a call it rejects is left exactly as it was.
+(vLLM's compile range; see ``token_range_of`` for why it replaces the ShapeEnv's). Which of those
+counts take the grouped route is the lookup's (``kernels/lookup.py``, ``grouped_tokens``: the
+rule of its per-M route, ``contract.admits``); a call none of whose counts does is left exactly
+as it was.
 
 What a call becomes:
 
@@ -60,7 +62,9 @@ from torch.utils._sympy.numbers import int_oo
 
 from .. import __version__
 from .. import contract as contract_module
-from ..contract import LayerShape, admits, admitted_window, contracts_fingerprint
+from ..contract import LayerShape, contracts_fingerprint
+from ..kernels import lookup as lookup_module
+from ..kernels.lookup import grouped_tokens
 from ..ops import routed as routed_module
 from ..ops.workspace import workspace_numel
 
@@ -114,21 +118,22 @@ def _describe(tokens: TokenRange) -> str:
 
 
 def choose_route(hidden_states, topk_ids, w13_qweight, w2_qweight, group_size: int, hint: Optional[TokenRange]) -> Route:
-    """Decide one call from its (fake) arguments; every admission goes through ``admits``."""
+    """Decide one call from its (fake) arguments; which token counts take the grouped route is
+    the lookup's (``lookup.grouped_tokens``: the rule its per-M route follows)."""
     layer_dims = (hidden_states.shape[1], topk_ids.shape[1], *w13_qweight.shape[:2], w2_qweight.shape[1], group_size)
     if not all(isinstance(d, int) for d in layer_dims):
         # reading a symbolic layer size would specialize it behind Dynamo's back
         return Route("dense", f"symbolic layer sizes {layer_dims} (compile with static weight shapes)")
     shape = LayerShape.from_tensors(hidden_states, topk_ids, w13_qweight, w2_qweight, group_size)
     tokens = token_range_of(hidden_states.shape[0], hint)
-    whole = admits(shape, tokens)
-    if whole:
-        return Route("grouped", f"{_describe(tokens)}: {whole.reason}", tokens, tokens[1] * shape.top_k)
-    sub = admitted_window(shape, tokens)
-    if sub is not None:
-        reason = f"{_describe(tokens)}: grouped for {_describe(sub)} ({admits(shape, sub).reason}), dense otherwise"
+    grouped = grouped_tokens(shape.shape, shape.dtype, tokens)
+    if grouped.tokens == tokens:
+        return Route("grouped", f"{_describe(tokens)}: {grouped.reason}", tokens, tokens[1] * shape.top_k)
+    if grouped.tokens is not None:
+        sub = grouped.tokens
+        reason = f"{_describe(tokens)}: grouped for {_describe(sub)} ({grouped.reason}), dense otherwise"
         return Route("routed", reason, sub, sub[1] * shape.top_k)
-    return Route("dense", f"{_describe(tokens)}: {whole.reason}")
+    return Route("dense", f"{_describe(tokens)}: {grouped.reason}")
 
 
 def _call_arguments(node: torch.fx.Node) -> dict:
@@ -165,9 +170,10 @@ def _dense_call(hidden_states, topk_weights, topk_ids, w13_qweight, w13_scales, 
 
 
 def _source_digest() -> str:
-    """Digest of the source that decides what the pass emits (this module, admission, the routed op)."""
+    """Digest of the source that decides what the pass emits (this module, admission, the lookup,
+    the routed op)."""
     hasher = hashlib.sha256()
-    for module in (sys.modules[__name__], contract_module, routed_module):
+    for module in (sys.modules[__name__], contract_module, lookup_module, routed_module):
         hasher.update(inspect.getsource(module).encode())
     return hasher.hexdigest()[:16]
 

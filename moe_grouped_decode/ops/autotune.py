@@ -15,7 +15,7 @@ import torch
 from ..awq import AwqMoeWeights
 from ..benchmarking.replay import graph_replay_us
 from ..kernels import config as kernel_config
-from ..kernels import cuda_capability, device_name, plan
+from ..kernels import device_facts, plan
 from .cuda import launch_grouped, layer_shape, random_routing
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def load_tuned_cache(device: torch.device) -> None:
     import triton
 
     if device.type == "cuda":
-        kernel_config.load_tuned(kernel_config.cache_path(device_name(device), triton.__version__))
+        kernel_config.load_tuned(kernel_config.cache_path(device_facts(device).name, triton.__version__))
 
 
 def tune_grouped(hidden_states, topk_weights, weights: AwqMoeWeights, workspace, routings: int = 16,
@@ -41,14 +41,15 @@ def tune_grouped(hidden_states, topk_weights, weights: AwqMoeWeights, workspace,
     gen = torch.Generator(device=device).manual_seed(1234)
     ids = [random_routing(M, top_k, weights.num_experts, device, gen) for _ in range(routings)]
     shape = layer_shape(hidden_states, ids[0], weights)
-    kernels = plan.kernel_family(device)
-    key = (shape, device_name(device), kernels, plan.DTYPE_NAMES[hidden_states.dtype], M)
+    facts = device_facts(device)
+    kernels = plan.kernel_family(facts)
+    key = (shape, facts.name, kernels, plan.DTYPE_NAMES[hidden_states.dtype], M)
     cached = kernel_config.tuned_config(key)
     if cached is not None:
         return cached
     out = torch.empty_like(hidden_states)
     best, best_us = None, float("inf")
-    for candidate in kernel_config.grouped_candidates(cuda_capability(device), kernels):
+    for candidate in kernel_config.grouped_candidates(facts.capability, kernels):
         config = candidate.fitted(K)
 
         def step(i: int, config=config) -> None:
@@ -58,5 +59,5 @@ def tune_grouped(hidden_states, topk_weights, weights: AwqMoeWeights, workspace,
         if us < best_us:
             best, best_us = candidate, us
     log.info("moe_grouped_decode: tuned %s M=%d -> %s (%.2f us)", shape, M, best, best_us)
-    kernel_config.store_tuned(kernel_config.cache_path(device_name(device), triton.__version__), key, best)
+    kernel_config.store_tuned(kernel_config.cache_path(facts.name, triton.__version__), key, best)
     return best

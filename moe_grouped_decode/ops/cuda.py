@@ -17,7 +17,8 @@ import triton
 from .. import env
 from ..awq import AwqMoeWeights
 from ..kernels import config as kernel_config
-from ..kernels import cuda_capability, device_name, plan
+from ..kernels import plan
+from ..kernels.lookup import launch_choice
 from .awq_moe import awq_moe_dense, awq_moe_grouped_decode, check_moe_args
 from .workspace import workspace_views
 
@@ -30,15 +31,13 @@ def layer_shape(hidden_states: torch.Tensor, topk_ids: torch.Tensor, weights: Aw
 
 def grouped_plan_for(hidden_states, topk_ids, weights: AwqMoeWeights, config=None, **options) -> plan.GroupedPlan:
     """The launch plan of one grouped call: ``config`` (fitted here), or the one the op runs
-    (tuned, table, default); ``options``: plan.grouped_plan's lab switches (stages, timeline,
-    w2_rn_scale)."""
-    M, K = hidden_states.shape
-    shape = layer_shape(hidden_states, topk_ids, weights)
-    device = hidden_states.device
-    config = (config or plan.config_for(shape, hidden_states.dtype, M, device)).fitted(K)
-    options.setdefault("check_ids", env.check_ids())
-    return plan.grouped_plan(M, shape[1], K, shape[3], shape[4], hidden_states.dtype, cuda_capability(device),
-                             config, num_experts=shape[0], **options)
+    (``lookup.launch_choice``: tuned, table, default); ``options``: plan.grouped_plan's lab
+    switches (stages, timeline, w2_rn_scale) and check_ids."""
+    choice = launch_choice(hidden_states.device, layer_shape(hidden_states, topk_ids, weights), hidden_states.dtype,
+                           hidden_states.shape[0], route="grouped")
+    if config is not None:
+        choice = choice.with_config(config)
+    return choice.plan(**options)
 
 
 def launch_grouped(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights, workspace, out, config=None,
@@ -125,18 +124,13 @@ def _awq_moe_grouped_decode_cuda(hidden_states, topk_weights, topk_ids, *weight_
 
 def prefill_plan_for(hidden_states, topk_ids, weights: AwqMoeWeights, config=None,
                      check_ids: Optional[bool] = None) -> plan.PrefillPlan:
-    """The launch plan of one prefill-route call: ``config``, or the one the op runs (in
-    batch-invariant mode one config at every M)."""
-    M, K = hidden_states.shape
-    shape = layer_shape(hidden_states, topk_ids, weights)
-    E, k, _, N, G = shape
-    if config is None and env.batch_invariant():
-        config = kernel_config.BATCH_INVARIANT_PREFILL
-    config = config or kernel_config.prefill_config(shape, device_name(hidden_states.device),
-                                                    plan.DTYPE_NAMES[hidden_states.dtype], M)
-    check_ids = env.check_ids() if check_ids is None else check_ids
-    return plan.prefill_plan(M, k, E, K, N, G, hidden_states.dtype, cuda_capability(hidden_states.device), config,
-                             check_ids)
+    """The launch plan of one prefill-route call: ``config``, or the one the op runs
+    (``lookup.launch_choice``: the table's, or in batch-invariant mode one config at every M)."""
+    choice = launch_choice(hidden_states.device, layer_shape(hidden_states, topk_ids, weights), hidden_states.dtype,
+                           hidden_states.shape[0], route="prefill")
+    if config is not None:
+        choice = choice.with_config(config)
+    return choice.plan(check_ids)
 
 
 def launch_prefill(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights, out, config=None,

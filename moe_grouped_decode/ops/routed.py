@@ -3,9 +3,10 @@
 The Inductor rewrite (``moe_grouped_decode.lowerings``) emits this op where a
 graph's symbolic token count M ranges wider than a contract's window (vLLM
 compiles one graph for M in 1..max_num_batched_tokens): the grouped route runs
-for ``grouped_min_tokens <= M <= grouped_max_tokens``, the dense route
-otherwise. The choice reads only M, a shape, never tensor data: it is made once
-per call on the host, and a CUDA graph captured at a fixed M replays the route
+for ``grouped_min_tokens <= M <= grouped_max_tokens`` (the window the lookup,
+``kernels/lookup.grouped_tokens``, gave the rewrite), the dense route otherwise.
+The choice reads only M, a shape, never tensor data: it is made once per call
+on the host, and a CUDA graph captured at a fixed M replays the route
 chosen at capture. ``workspace`` is mutated only on the grouped route, but the
 schema declares it mutated on both (a schema cannot depend on M).
 
