@@ -313,7 +313,8 @@ def search(measure: Measurement, route: str, token_counts: Sequence[int], candid
     import torch
 
     from ..kernels import config as kernel_config
-    from ..kernels import device_name, plan
+    from ..kernels import device_name
+    from ..kernels.lookup import launch_choice
     from ..ops import alloc_workspace, launch_grouped, launch_prefill
 
     E, k, K, N, G = measure.spec.shape
@@ -356,7 +357,7 @@ def search(measure: Measurement, route: str, token_counts: Sequence[int], candid
             log(f"[tune] {route} M={M}: {us:.2f} us/layer with {best[M]}")
         else:
             shape = measure.spec.shape
-            best[M] = (plan.config_for(shape, dtype, M, measure.device) if route == "grouped" else
+            best[M] = (launch_choice(measure.device, shape, dtype, M, route="grouped").config if route == "grouped" else
                        kernel_config.prefill_config(shape, device_name(measure.device), measure.spec.dtype, M))
             log(f"[tune] {route} M={M}: not searched (budget spent or no candidate ran): keeps {best[M]}")
         if torch.cuda.is_available():
@@ -613,12 +614,13 @@ def rotation_layers(spec: LayerSpec, device) -> list:
 def run(args, spec: LayerSpec) -> int:
     import torch
 
-    from ..kernels import cuda_capability, device_name, plan
+    from ..kernels import device_facts, plan
     from .replay import graph_replay_us
     from .bench import time_vllm
 
     device = torch.device("cuda")
-    gpu, capability = device_name(device), cuda_capability(device)
+    facts = device_facts(device)
+    gpu, capability = facts.name, facts.capability
     ver = versions()
     print(f"[tune] {spec.name}: E={spec.shape[0]} k={spec.shape[1]} K={spec.shape[2]} N={spec.shape[3]} "
           f"G={spec.shape[4]} {spec.dtype} on {gpu} ({', '.join(f'{k} {v}' for k, v in ver.items())})", flush=True)
@@ -634,7 +636,7 @@ def run(args, spec: LayerSpec) -> int:
         return time_vllm(args.vllm_sources, layers, inputs, layers[0].w13_scales.dtype, args.reps)
 
     measure = Measurement(spec, layers, clock, vllm_timer, device, large_layers=args.large_layers)
-    family = plan.kernel_family(device)
+    family = plan.kernel_family(facts)
     # the command that reproduces the table (where its report goes does not change it)
     command = "python -m moe_grouped_decode tune " + " ".join(args.argv)
     command = re.sub(r" --report-dir[ =]\S+", "", command)
