@@ -298,16 +298,29 @@ def admits(shape: LayerShape, num_tokens: Union[int, TokenRange, None] = None) -
 
 
 def admitted_window(shape: LayerShape, num_tokens: TokenRange) -> Optional[TokenRange]:
-    """The sub-range of ``num_tokens`` that :func:`admits` accepts for ``shape``, or None.
+    """The widest sub-range of ``num_tokens`` whose every M :func:`admits` accepts for ``shape``
+    (under one contract or several whose windows overlap or touch), or None.
 
     For a symbolic M ranging wider than a contract's window (a compile range such
-    as 1..8192): the token counts for which the grouped route may still run.
+    as 1..8192): the token counts for which the grouped route may still run, the same
+    counts the per-M answer gives the grouped route.
     """
-    contract = admits(shape).contract
-    if contract is None:
+    lo, hi = num_tokens
+    windows = sorted((max(lo, c.min_tokens), min(hi, c.max_tokens)) for c in _REGISTRY.values()
+                     if not c.shape_mismatches(shape))
+    merged: list = []
+    for start, end in windows:
+        if start > end:
+            continue
+        if merged and start <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    if not merged:
         return None
-    window = (max(num_tokens[0], contract.min_tokens), min(num_tokens[1], contract.max_tokens))
-    return window if window[0] <= window[1] and admits(shape, window) else None
+    window = max(merged, key=lambda w: (w[1] - w[0], -w[0]))
+    # every M of it is admitted (batch-invariant mode admits none)
+    return window if admits(shape, window[0]) else None
 
 
 @dataclass(frozen=True)

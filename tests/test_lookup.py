@@ -173,6 +173,27 @@ def test_the_rewrites_window_is_the_per_token_route():
             assert not grouped or grouped == list(range(window[0], window[1] + 1))
 
 
+def test_two_contracts_on_one_shape_give_the_rewrite_their_joined_window():
+    """Two hand-written contracts on one shape whose windows overlap: the per-M route is grouped
+    in either window, and the rewrite's window over a wider range is the two joined."""
+    device = DeviceFacts(H200, HOPPER)
+    shape, dtype = (64, 4, 256, 128, 32), torch.float16
+    first = contract.ShapeContract("first", *shape, 1, 8, measured=False)
+    second = contract.ShapeContract("second", *shape, 4, 64, measured=False)
+    with contract.contract_registered(first), contract.contract_registered(second):
+        for tokens, window in (((1, 200), (1, 64)), ((1, 64), (1, 64)), ((10, 60), (10, 60)), ((65, 90), None)):
+            grouped = [m for m in range(tokens[0], tokens[1] + 1)
+                       if lookup.launch_choice(device, shape, dtype, m).route == "grouped"]
+            assert grouped == (list(range(window[0], window[1] + 1)) if window else []), tokens
+            found = lookup.grouped_tokens(shape, dtype, tokens)
+            assert found.tokens == window, (tokens, found)
+        assert "first" in lookup.grouped_tokens(shape, dtype, (1, 200)).reason
+    # windows that neither overlap nor touch: the wider one
+    apart = contract.ShapeContract("apart", *shape, 20, 64, measured=False)
+    with contract.contract_registered(first), contract.contract_registered(apart):
+        assert lookup.grouped_tokens(shape, dtype, (1, 200)).tokens == (20, 64)
+
+
 # --------------------------------------------------------------------------- the device asked once
 
 
@@ -307,3 +328,17 @@ def test_a_choice_is_hashable_and_plans_its_route():
     assert grouped.with_config(GroupedConfig(w13_block_k=96)).config == GroupedConfig(w13_block_k=96).fitted(QWEN38[2])
     with pytest.raises(ValueError, match="route must be one of"):
         lookup.launch_choice(device, QWEN38, torch.float16, 8, route="dense")
+
+
+@pytest.mark.skipif(not gluon_helpers.AVAILABLE, reason="this Triton has no Gluon")
+def test_the_gluon_switch_changes_a_prefill_plan_already_made(monkeypatch):
+    """A wgmma config's plan follows MOE_GROUPED_DECODE_GLUON even after the same plan was made
+    with the switch the other way (the plan cache's key holds it)."""
+    device = DeviceFacts(H200, HOPPER)
+    choice = lookup.launch_choice(device, QWEN38, torch.float16, 4096)
+    assert choice.config.kernel == "wgmma"
+    on = {launch.name for launch in choice.plan(check_ids=False).launches}
+    monkeypatch.setenv(GLUON_W13_ENV, "0")
+    off = {launch.name for launch in lookup.launch_choice(device, QWEN38, torch.float16, 4096).plan(
+        check_ids=False).launches}
+    assert "w13_prefill_wgmma" in on and not any("wgmma" in name for name in off), (on, off)

@@ -93,7 +93,8 @@ def grouped_tokens(shape: Shape, dtype: torch.dtype, tokens: TokenRange) -> Grou
         return GroupedTokens(tuple(tokens), whole.reason)
     part = contract.admitted_window(layer, tokens)
     if part is not None:
-        return GroupedTokens(part, contract.admits(layer, part).reason)
+        reasons = dict.fromkeys(contract.admits(layer, m).reason for m in {part[0], part[1]})
+        return GroupedTokens(part, "; ".join(reasons))
     return GroupedTokens(None, whole.reason)
 
 

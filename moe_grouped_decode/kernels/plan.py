@@ -469,12 +469,14 @@ def prefill_plan(num_tokens: int, top_k: int, num_experts: int, hidden_size: int
                  group_size: int, dtype: torch.dtype, capability: Tuple[int, int], config: PrefillConfig,
                  check_ids: bool = False) -> PrefillPlan:
     """The plan of one prefill-route call (cached); ``check_ids``: the sort flags ids outside [0, E)."""
+    # whether the Gluon kernels run is in the key: it decides which kernels a wgmma config runs
     return _prefill_plan(num_tokens, top_k, num_experts, hidden_size, intermediate_size, group_size, dtype,
-                         tuple(capability), config, check_ids)
+                         tuple(capability), config, check_ids, gluon_runs(tuple(capability)))
 
 
 @functools.lru_cache(maxsize=1024)
-def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig, check_ids: bool) -> PrefillPlan:
+def _prefill_plan(M, top_k, E, K, N, G, dtype, capability, config: PrefillConfig, check_ids: bool,
+                  gluon: bool) -> PrefillPlan:
     _check_capability("prefill", capability)
     if G % CHUNK_ROWS.value or N % CHUNK_ROWS.value or K % CHUNK_ROWS.value:
         raise ValueError(f"prefill: group size {G}, intermediate size {N} and hidden size {K} must be multiples of "
