@@ -111,10 +111,20 @@ def shapes_and_dtypes():
     return sorted(tabled | others | {(UNTABLED, "fp16"), (UNTABLED, "bf16")})
 
 
+def token_counts(files) -> list:
+    """Every M up to 512 (where the windows and the first entries lie), every M next to a table's
+    entry or window edge, and a stride of primes above, to the engine's largest step."""
+    edges = {int(e["M"]) for t in files for e in t["grouped"] + t["prefill"]}
+    edges |= {int(m) for t in files for m in (t["route_table"].get("grouped_tokens") or ())}
+    near = {m + d for m in edges for d in (-1, 0, 1)}
+    counts = set(range(1, 513)) | near | set(range(513, LARGEST_STEP, 97)) | {LARGEST_STEP}
+    return sorted(m for m in counts if 1 <= m <= LARGEST_STEP)
+
+
 @pytest.mark.parametrize("switch", ["default", "gluon-off", "batch-invariant"])
 @pytest.mark.parametrize("gpu", [H100, H200])
 def test_the_lookup_follows_the_tables_at_every_token_count(monkeypatch, gpu, switch):
-    """Route and config of both routes at every M from 1 to the engine's largest step, for every
+    """Route and config of both routes at the counts ``token_counts`` names, for every
     shipped table's shape and dtype and for table-less ones, on both GPUs the tables name: what
     the table files say (with the GPU's windows applied, as the vLLM plugin runs)."""
     files = shipped_files()
@@ -128,10 +138,11 @@ def test_the_lookup_follows_the_tables_at_every_token_count(monkeypatch, gpu, sw
     contract.apply_tables(gpu)
     device = DeviceFacts(gpu, HOPPER)
     checked, differences = 0, []
+    counts = token_counts(files)
     for shape, dtype_name in shapes_and_dtypes():
         dtype = DTYPES[dtype_name]
         rules = TableRules(files, gpu, shape, dtype_name, family, switch == "batch-invariant")
-        for M in range(1, LARGEST_STEP + 1):
+        for M in counts:
             choice = lookup.launch_choice(device, shape, dtype, M)
             grouped = lookup.launch_choice(device, shape, dtype, M, route="grouped").config
             prefill = lookup.launch_choice(device, shape, dtype, M, route="prefill").config
@@ -144,18 +155,7 @@ def test_the_lookup_follows_the_tables_at_every_token_count(monkeypatch, gpu, sw
         # the rewrite's question over the whole range: the same window
         assert lookup.grouped_tokens(shape, dtype, (1, LARGEST_STEP)).tokens == rules.window, (shape, dtype_name)
     assert not differences, differences[:3]
-    assert checked == len(shapes_and_dtypes()) * LARGEST_STEP
-
-
-def test_the_public_config_names_give_the_lookups_configs():
-    """``plan.config_for`` (a device) and ``config.prefill_config`` (a GPU's name) still answer,
-    with the lookup's configs."""
-    device = DeviceFacts(H200, HOPPER)
-    for M in (1, 3, 8, 64, 112, 113, 300, 5000, LARGEST_STEP):
-        assert plan.config_for(QWEN38, torch.float16, M, device) == \
-            lookup.launch_choice(device, QWEN38, torch.float16, M, route="grouped").config
-        assert config.prefill_config(QWEN38, H200, "fp16", M) == \
-            lookup.launch_choice(device, QWEN38, torch.float16, M, route="prefill").config
+    assert checked == len(shapes_and_dtypes()) * len(counts)
 
 
 def test_the_rewrites_window_is_the_per_token_route():

@@ -13,6 +13,7 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 
 import dataclasses  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -21,7 +22,9 @@ from moe_grouped_decode import tables  # noqa: E402
 from moe_grouped_decode.awq import synthetic_moe_weights  # noqa: E402
 from moe_grouped_decode.benchmarking import tune  # noqa: E402
 from moe_grouped_decode.contract import LayerShape, apply_tables, admits, choose_method  # noqa: E402
+from moe_grouped_decode.kernels import DeviceFacts  # noqa: E402
 from moe_grouped_decode.kernels.config import GroupedConfig, PrefillConfig, grouped_config, prefill_config  # noqa: E402
+from moe_grouped_decode.kernels.lookup import launch_choice  # noqa: E402
 
 SPEC = tune.LayerSpec((8, 2, 64, 64, 32), "fp16", "tiny-tune")
 GPU = "Test GPU"
@@ -34,14 +37,21 @@ CALLS = []
 
 def clock(step, calls, key):
     """Runs the step on every layer once (the kernels run under the interpreter), then gives a
-    cost: per config in the search, per route and M in the measurement."""
+    cost: per config in the search, per route and M in the measurement. A measurement's key is
+    recorded with the prefill config the lookup gives at that moment (the op on CPU tensors runs
+    the CPU implementation, which looks no config up)."""
     for i in range(calls):
         step(i)
-    CALLS.append(key)
     route, M, *config = key
+    if not config and route == "prefill":
+        key = key + (launch_choice(DeviceFacts(GPU, (0, 0)), SPEC.shape, torch.float16, M, route="prefill").config,)
+    CALLS.append(key)
     if config:  # at 64 tokens the prefill route's other config is the cheaper (what refine must find)
         return {FAST: 1.0, SLOW: 2.0, FAST_PREFILL: 3.0, SLOW_PREFILL: 2.0 if M == 64 else 4.0}[config[0]] * M
-    # the grouped op wins up to 4 tokens; the plugin beats vLLM everywhere but thinly at 64
+    # the grouped op wins up to 4 tokens; the plugin beats vLLM everywhere but thinly at 64, where
+    # the prefill route runs a little faster under the config refine must find
+    if route == "prefill" and M == 64 and key[2] == SLOW_PREFILL:
+        return 30.0 + M - 1.0
     return {"grouped": 5.0 * M if M <= 4 else 1e9, "prefill": 30.0 + M}[route]
 
 
@@ -75,9 +85,37 @@ def main(cache: Path) -> None:
     verdict = tables.verdict(table, 256)
     assert verdict.admitted and verdict.closest[0] == 64, verdict
     # the measurement ran the ops with the searched configs (the draft table was in place)
-    assert ("grouped", 4) in CALLS and ("prefill", 256) in CALLS
-    assert ("prefill", 64, SLOW_PREFILL) in CALLS and CALLS.count(("prefill", 64)) == 2  # timed again, refined
+    assert ("grouped", 4) in CALLS and ("prefill", 256, FAST_PREFILL) in CALLS
+    # searched at 64 with the config it ran timed first, then timed again under the refined entry
+    searched_64 = [c for c in CALLS if c[:2] == ("prefill", 64) and c[2] in (FAST_PREFILL, SLOW_PREFILL)]
+    assert searched_64[:2] == [("prefill", 64, FAST_PREFILL)] * 2, CALLS  # measured, then first in the search
+    assert ("prefill", 64, SLOW_PREFILL) in searched_64
+    assert CALLS[-1] == ("prefill", 64, SLOW_PREFILL), CALLS[-1]  # the last timing: the refined entry's
     assert ("prefill", 48, SLOW_PREFILL) not in CALLS  # wide margins are not searched again
+
+    # a refined config that is no faster as the op runs it is not kept: the count keeps its config and time
+    def flat_clock(step, calls, key):
+        step(0)
+        route, M, *config = key
+        return {FAST_PREFILL: 3.0, SLOW_PREFILL: 2.0}[config[0]] * M if config else 30.0 + M
+
+    flat = tune.Measurement(SPEC, layers, flat_clock, vllm_timer, device, large_layers=1)
+    counts = (16, 64, 256)
+    timings = {m: tune.Timings(None, 30.0 + m, {"marlin": (31.0 + m) * 1.01, "humming": (31.0 + m) * 3})
+               for m in counts}
+    best = {256: FAST_PREFILL}
+
+    def table_of(t):
+        routes = tune.route_table(counts, [None] * 3, [t[m].prefill_us for m in counts],
+                                  {b: [t[m].vllm_us[b] for m in counts] for b in ("marlin", "humming")})
+        return tables.MeasuredTable(gpu=GPU, shape=SPEC.shape, dtype="fp16", name="flat", generator="", versions={},
+                                    routes=routes, grouped=(), prefill=tune.launch_table_entries(best))
+
+    kept = tune.refine_prefill(flat, timings, best, [SLOW_PREFILL, FAST_PREFILL], table_of,
+                               tune.Progress(1, out=open(os.devnull, "w")), deadline=time.time() + 600,
+                               log=logged.append)
+    assert kept == best and [timings[m].prefill_us for m in counts] == [46.0, 94.0, 286.0], (kept, timings)
+    assert any("no faster as the op runs it at [16, 64]" in line for line in logged), logged[-3:]
 
     # written and read back where the plugin reads a user's tables; the plugin then admits the shape
     versions = {"torch": torch.__version__, "triton": "test", "vllm": "test"}

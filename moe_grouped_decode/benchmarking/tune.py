@@ -22,9 +22,9 @@ weights through one CUDA graph:
    sources, ``--vllm-sources``); then once more between neighbours whose margin is thin, so
    the grid brackets every crossing;
 3. refine: the prefill route's configs searched again at each count it serves with a margin
-   under 10% (worst first, within ``--refine-budget-s``), each count then running its own
-   best (a group size tuned at a power of two can straddle an expert's rows just above it),
-   and the counts whose config changed measured again;
+   under 10% (worst first, within ``--refine-budget-s``), each such count then running its own
+   best (a group size tuned at a power of two can straddle an expert's rows just above it) where
+   it is faster when measured again as the op runs it;
 4. decide: the grouped window (the longest run of counts from 1 where the grouped op is the
    faster route), the plugin's route and time per count, the verdict (``tables.verdict``:
    admitted only if faster than every vLLM backend at every count).
@@ -304,12 +304,13 @@ def plausible_prefill(candidates: Sequence, M: int, shape: tables.Shape) -> list
 
 
 def search(measure: Measurement, route: str, token_counts: Sequence[int], candidates: Sequence, progress: Progress,
-           deadline: float, log=print) -> Dict[int, object]:
+           deadline: float, log=print, always: Sequence = ()) -> Dict[int, object]:
     """The fastest of ``candidates`` at each count (``route``: "grouped" or "prefill"), among
     those whose output on the first layer agrees with the prefill route's default config. A
     config that cannot run at this shape is dropped from the rest of the search, said why. Past
     ``deadline`` (time.time()) the search stops: the counts left keep the config the op would
-    run without this tune (another GPU's table, or the default), said so."""
+    run without this tune (another GPU's table, or the default), said so. ``always``: candidates
+    timed first at every count, whatever the prefill route's group-size filter says."""
     import torch
 
     from ..kernels import config as kernel_config
@@ -327,8 +328,9 @@ def search(measure: Measurement, route: str, token_counts: Sequence[int], candid
         want = torch.empty_like(xs[0])
         launch_prefill(xs[0], tws[0], ids[0], measure.layers[0], want, kernel_config.PrefillConfig())
         timed = []
-        worth = plausible_prefill(candidates, M, measure.spec.shape) if route == "prefill" else candidates
-        for config in candidates:
+        worth = plausible_prefill(candidates, M, measure.spec.shape) if route == "prefill" else list(candidates)
+        worth += list(always)
+        for config in dict.fromkeys(list(always) + list(candidates)):
             progress.step(f"search {route} M={M}")
             if time.time() > deadline or config in broken or config not in worth:
                 continue
@@ -456,9 +458,11 @@ def refine_prefill(measure: Measurement, timings: Dict[int, "Timings"], best: Di
                    candidates: Sequence, table_of: Callable, progress: Progress, deadline: float,
                    log=print) -> Dict[int, object]:
     """Step 3 of the module docstring: search the prefill route's configs at each count
-    ``refine_counts`` names (until ``deadline``), give each measured count its own entry and
-    time the prefill route again where a count's config changed (``timings`` updated in place);
-    returns the new entries."""
+    ``refine_counts`` names (until ``deadline``; the config it runs timed first), give each
+    measured count its own entry and time the prefill route again where a count's config changed
+    (``timings`` updated in place), keeping a change only where it is faster as the op runs it;
+    returns the new entries. A count between two measured ones runs the upper one's config, as
+    everywhere in the tables: the grid brackets it, it is not itself timed."""
     routes = table_of(timings).routes
     counts = refine_counts(routes.tokens, routes.routes, routes.speedups(), best)
     if not counts:
@@ -471,12 +475,13 @@ def refine_prefill(measure: Measurement, timings: Dict[int, "Timings"], best: Di
             if time.time() > deadline:
                 log(f"[tune] refine: budget spent; {len(counts) - len(refined)} counts keep their configs")
                 break
-            worth = plausible_prefill(candidates, M, measure.spec.shape)
-            worth = list(dict.fromkeys(worth + [entry_for(best, M)]))
-            progress.add(len(worth))
-            refined.update(search(measure, "prefill", [M], worth, progress, deadline, log))
-    entries = per_count_entries(best, sorted(timings), refined)
-    changed = [m for m in sorted(timings) if entry_for(entries, m) != entry_for(best, m)]
+            current = entry_for(best, M)  # timed first, so a search cut short cannot drop it
+            worth = [c for c in plausible_prefill(candidates, M, measure.spec.shape) if c != current]
+            progress.add(len(worth) + 1)
+            refined.update(search(measure, "prefill", [M], worth, progress, deadline, log, always=(current,)))
+    counts_measured = sorted(timings)
+    entries = per_count_entries(best, counts_measured, refined)
+    changed = [m for m in counts_measured if entry_for(entries, m) != entry_for(best, m)]
     if not changed:
         return best
     log(f"[tune] refine: new configs at {changed}; timed again")
@@ -484,6 +489,7 @@ def refine_prefill(measure: Measurement, timings: Dict[int, "Timings"], best: Di
     import torch
 
     ops = torch.ops.moe_grouped_decode
+    before = {m: timings[m].prefill_us for m in changed}
     with tables.table_registered(dataclasses.replace(table_of(timings), prefill=launch_table_entries(entries))):
         for M in changed:
             ids, tws, xs = measure.inputs(M)
@@ -491,6 +497,14 @@ def refine_prefill(measure: Measurement, timings: Dict[int, "Timings"], best: Di
             timings[M].prefill_us = measure.clock(
                 lambda i: ops.awq_moe_dense(xs[i], tws[i], ids[i], *measure.layers[i].op_args()),
                 measure.count(M), ("prefill", M))
+    # the route as the op runs it must beat what it replaces, or the count keeps its config and time
+    slower = [m for m in changed if not timings[m].prefill_us < before[m]]
+    if slower:
+        log(f"[tune] refine: no faster as the op runs it at {slower}: those keep their configs")
+        for m in slower:
+            refined[m] = entry_for(best, m)
+            timings[m].prefill_us = before[m]
+        entries = per_count_entries(best, counts_measured, refined)
     return entries
 
 

@@ -171,14 +171,6 @@ def kernel_family(device) -> str:
     return "gluon" if gluon_runs(facts.capability) else "tl"
 
 
-def config_for(shape, dtype: torch.dtype, num_tokens: int, device) -> GroupedConfig:
-    """The launch config the grouped op runs for ``shape`` (E, k, K, N, G) at ``num_tokens`` on
-    ``device``: ``lookup.launch_choice``'s for the grouped route."""
-    from .lookup import launch_choice  # the lookup builds its plans here: imported at the call
-
-    return launch_choice(device, shape, dtype, num_tokens, route="grouped").config
-
-
 def _check_capability(route: str, capability: Tuple[int, int]) -> None:
     if capability != (0, 0) and capability < MIN_CUDA_CAPABILITY:
         raise RuntimeError(f"{route}: the kernels need compute capability {MIN_CUDA_CAPABILITY[0]}."
