@@ -413,7 +413,7 @@ def time_routes(measure: Measurement, tokens: Sequence[int], grouped_max: int, p
 
 
 def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: int = tables.LARGEST_STEP,
-         grouped_max: int = 256, budget_s: float = 200.0, refine: bool = True, refine_budget_s: float = 60.0,
+         grouped_max: int = 256, budget_s: float = 130.0, refine: bool = True, refine_budget_s: float = 45.0,
          generator: str = "",
          grouped_candidates: Sequence = (), prefill_candidates: Sequence = (), family: str = "gluon",
          log=print) -> Tuple[tables.MeasuredTable, dict]:
@@ -691,10 +691,11 @@ def main(argv=None) -> int:
     parser.add_argument("--name", help="a label for the table (default: the checkpoint's folder and parallelism)")
     parser.add_argument("--max-tokens", type=int, default=tables.LARGEST_STEP, help="the largest step measured")
     parser.add_argument("--grouped-max", type=int, default=256, help="the grouped op is timed up to this M")
-    parser.add_argument("--budget-s", type=float, default=200.0, help="seconds for the config search")
+    parser.add_argument("--budget-s", type=float, default=130.0, help="seconds for the config search (with the "
+                        "measurement and --refine-budget-s, about 5 minutes a shape on an H100)")
     parser.add_argument("--reps", type=int, default=20, help="CUDA-graph replays per timing (the median is kept)")
     parser.add_argument("--large-layers", type=int, default=8, help="layers rotated where every expert is read")
-    parser.add_argument("--refine-budget-s", type=float, default=60.0, help="seconds for the prefill route's "
+    parser.add_argument("--refine-budget-s", type=float, default=45.0, help="seconds for the prefill route's "
                         "search again at counts with thin margins (step 3)")
     parser.add_argument("--no-refine", action="store_true", help="no extra counts between thin neighbours, no "
                         "search again there")
