@@ -477,12 +477,14 @@ def run_arm(args, arm: str) -> int:
     def ttft():
         cells = result["ttft"] = []
         for length in args.ttft_prompts:
-            values = []
+            values, parts = [], []
             for r in range(args.repeats):
                 (output,) = generate(token_prompts(1, length, vocab, seed=20_000 + length + r), greedy(2))
                 values.append(1000 * output.metrics.first_token_latency)
+                parts.append(ttft_parts(output.metrics))
             cells.append({"prompt_tokens": length, "ttft_ms": round(statistics.median(values), 3),
-                          "ttft_ms_repeats": [round(v, 3) for v in values]})
+                          "ttft_ms_repeats": [round(v, 3) for v in values],
+                          "parts_ms": {k: round(statistics.median(p[k] for p in parts), 3) for k in TTFT_PARTS}})
             progress(arm, f"TTFT {length} tokens: {cells[-1]['ttft_ms']} ms (repeats {cells[-1]['ttft_ms_repeats']})")
 
     def agreement():
@@ -777,6 +779,21 @@ def compare_decode(arms: dict, a: str, b: str) -> List[dict]:
     return decode
 
 
+# where a request's time to first token went, from vLLM's per-request timestamps: waiting in the
+# engine core's queue, from being scheduled to its first token (the prefill step(s) and sampling),
+# and the rest (the front end, the engine core's input and output paths)
+TTFT_PARTS = ("queued", "scheduled_to_token", "outside_core")
+
+
+def ttft_parts(metrics) -> dict:
+    """One request's TTFT in ``TTFT_PARTS``, ms (the core's timestamps are its own monotonic
+    clock, the latency the front end's: only differences of each are taken)."""
+    queued = metrics.scheduled_ts - metrics.queued_ts
+    scheduled_to_token = metrics.first_token_ts - metrics.scheduled_ts
+    outside = metrics.first_token_latency - (metrics.first_token_ts - metrics.queued_ts)
+    return {"queued": 1000 * queued, "scheduled_to_token": 1000 * scheduled_to_token, "outside_core": 1000 * outside}
+
+
 def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
     ttft = []
     b_ttft = _by(arms[b], "ttft", "prompt_tokens")
@@ -787,6 +804,7 @@ def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
                          f"{a}_repeats": row_a["ttft_ms_repeats"], f"{b}_repeats": b_ttft[length]["ttft_ms_repeats"]})
     for cell in ttft:
         for arm in (a, b):
+            cell[f"{arm}_parts_ms"] = _by(arms[arm], "ttft", "prompt_tokens")[cell["prompt_tokens"]].get("parts_ms")
             p = _by(arms[arm], "profile_prefill", "prompt_tokens").get(cell["prompt_tokens"])
             if p is not None:
                 cell[f"{arm}_gpu_ms"] = p["gpu_kernel_ms"]
@@ -864,6 +882,16 @@ def ttft_tables(cells: List[dict], a: str, b: str) -> List[str]:
     for cell in cells:
         lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell[f'{a}_ms'], 2)} | {_fmt(cell[f'{b}_ms'], 2)} | "
                      f"{_fmt(cell[f'{a}_over_{b}'], 3)} | {cell[f'{a}_repeats']} | {cell[f'{b}_repeats']} |")
+    if any(cell.get(f"{a}_parts_ms") and cell.get(f"{b}_parts_ms") for cell in cells):
+        lines += ["", "Where the time to first token went (medians, ms, from vLLM's per-request timestamps): waiting "
+                  "in the engine core's queue, from being scheduled to the first token, and outside the engine "
+                  "core (front end, input and output paths):", "",
+                  f"| prompt tokens | {a} queued | {b} queued | {a} scheduled to token | {b} scheduled to token | "
+                  f"{a} outside core | {b} outside core |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for cell in cells:
+            pa, pb = cell.get(f"{a}_parts_ms") or {}, cell.get(f"{b}_parts_ms") or {}
+            lines.append(f"| {cell['prompt_tokens']} | "
+                         + " | ".join(f"{_fmt(pa.get(k), 2)} | {_fmt(pb.get(k), 2)}" for k in TTFT_PARTS) + " |")
     if any(cell.get(f"{a}_gpu_ms") is not None for cell in cells):
         lines += ["", "The prefill of one prompt under the torch profiler (GPU kernel time of its step(s), and the "
                   "kernels that took most of it, ms):", "",

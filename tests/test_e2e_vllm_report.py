@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -187,13 +188,24 @@ def _arm(arm, tok_s, gpu_ms, ttft_ms, teacher_forced=None):
         "engine": {"engine_core_client": "SyncMPClient", "async_scheduling": True, "cudagraph_mode": "FULL_AND_PIECEWISE"},
         "decode": [{"concurrency": c, "tok_s": t, "itl_ms": 1000 * c / t, "itl_ms_repeats": [], "wall_s_repeats": []}
                    for c, t in tok_s.items()],
-        "ttft": [{"prompt_tokens": n, "ttft_ms": v, "ttft_ms_repeats": [v]} for n, v in ttft_ms.items()],
+        "ttft": [{"prompt_tokens": n, "ttft_ms": v, "ttft_ms_repeats": [v],
+                  "parts_ms": {"queued": 0.5, "scheduled_to_token": v - 3.0, "outside_core": 2.5}}
+                 for n, v in ttft_ms.items()],
         "agreement": [_sequence([1, 2], [[[1, -0.1], [3, -1.0]], [[2, -0.1], [3, -1.0]]])],
         "profile": [{"concurrency": c, "gpu_kernel_ms": g, "gpu_span_ms": g, "host_period_ms": 2.5,
                      "top_kernels": [[f"kernel_{arm}", 1000 * g]]} for c, g in gpu_ms.items()],
         "profile_prefill": [{"prompt_tokens": n, "prefill_steps": 1, "prefill_tokens": n, "gpu_kernel_ms": v / 2,
                              "gpu_span_ms": v / 2, "top_kernels": [[f"gemm_{arm}", 500 * v]]} for n, v in ttft_ms.items()],
     }
+
+
+def test_ttft_parts_add_up_to_the_latency(e2e):
+    """vLLM's engine-core timestamps (their own clock) split the front end's latency in three."""
+    metrics = types.SimpleNamespace(queued_ts=1000.000, scheduled_ts=1000.002, first_token_ts=1000.052,
+                                    first_token_latency=0.070)
+    parts = e2e.ttft_parts(metrics)
+    assert parts == pytest.approx({"queued": 2.0, "scheduled_to_token": 50.0, "outside_core": 18.0})
+    assert sum(parts.values()) == pytest.approx(70.0)
 
 
 def test_report_files_from_made_up_arms(e2e, tmp_path):
@@ -211,7 +223,9 @@ def test_report_files_from_made_up_arms(e2e, tmp_path):
     assert c1["on"]["gpu_busy"] == 0.96
     assert report["ttft"][0] == {"prompt_tokens": 512, "on_ms": 20.0, "off_ms": 15.0, "on_over_off": 1.333,
                                  "on_repeats": [20.0], "off_repeats": [15.0], "on_gpu_ms": 10.0, "off_gpu_ms": 7.5,
-                                 "on_top_kernels": [["gemm_on", 10000.0]], "off_top_kernels": [["gemm_off", 7500.0]]}
+                                 "on_top_kernels": [["gemm_on", 10000.0]], "off_top_kernels": [["gemm_off", 7500.0]],
+                                 "on_parts_ms": {"queued": 0.5, "scheduled_to_token": 17.0, "outside_core": 2.5},
+                                 "off_parts_ms": {"queued": 0.5, "scheduled_to_token": 12.0, "outside_core": 2.5}}
     assert report["startup"]["on"]["capture_s"] == 12.5 and "capture_s" not in report["startup"]["off"]  # no log
     assert report["agreement"]["identical"] == 1
     text = e2e.markdown(report)
@@ -219,6 +233,7 @@ def test_report_files_from_made_up_arms(e2e, tmp_path):
     assert "| 1 | 400.0 | 410.0 | 0.976 | 2.500 | 2.439 | 2.400 | 2.300 | 0.958 | 0.96 | 0.94 |" in text
     assert "| 512 | 20.00 | 15.00 | 1.333 | [20.0] | [15.0] |" in text
     assert "| 512 | 10.000 | 7.500 | gemm_on 10.00 | gemm_off 7.50 |" in text
+    assert "| 512 | 0.50 | 0.50 | 17.00 | 12.00 | 2.50 | 2.50 |" in text  # where the TTFT went
     assert "| CUDA-graph capture, s (log timestamps) | 12.50 | - |" in text
     assert "1 of 1 sequences identical over 2 tokens" in text
     assert "warnings naming the plugin: ['Unknown vLLM environment variable detected: VLLM_AWQ_MOE_GROUPED_DECODE']" in text

@@ -83,6 +83,10 @@ def test_every_cell_measured_in_vllms_default_engine(smoke):
             assert cell[arm]["tok_s"] > 0 and cell[arm]["itl_ms"] > 0
     assert [cell["prompt_tokens"] for cell in report["ttft"]] == [16, 64]
     assert all(cell["on_ms"] > 0 and cell["off_ms"] > 0 for cell in report["ttft"])
+    for cell in report["ttft"]:  # vLLM's timestamps split each arm's TTFT: the prefill takes time, none is negative
+        for arm in ("on", "off"):
+            parts = cell[f"{arm}_parts_ms"]
+            assert parts["scheduled_to_token"] > 0 and parts["queued"] >= 0, parts
     assert report["startup"]["on"]["startup_s"] > 0 and report["startup"]["off"]["import_s"] > 0
     assert report["errors"] == {"on": [], "off": []}
 
