@@ -182,13 +182,9 @@ def permute_scales(scales: torch.Tensor, grouped: bool) -> torch.Tensor:
 
 
 def unpermute_scales(scales: torch.Tensor, grouped: bool) -> torch.Tensor:
-    """Inverse of :func:`permute_scales`."""
-    experts, groups, size_n = scales.shape
-    if grouped:
-        s = scales.reshape(experts, groups, size_n // 64, 8, 8)  # [.., i, j]
-        return s.transpose(-1, -2).reshape(experts, groups, size_n).contiguous()
-    s = scales.reshape(experts, groups, size_n // 32, 4, 4, 2)  # [.., i, a, b]
-    return s.permute(0, 1, 2, 4, 3, 5).reshape(experts, groups, size_n).contiguous()
+    """Inverse of :func:`permute_scales`, which is its own inverse: both orders transpose square
+    blocks (8 x 8 grouped, 4 x 4 channelwise)."""
+    return permute_scales(scales, grouped)
 
 
 def pack_zeros(zeros: torch.Tensor) -> torch.Tensor:
