@@ -210,6 +210,25 @@ def check_overflow_prefill(gen: torch.Generator) -> None:
         check_rounded_reference(f"overflow prefill fp16 row outputs past 65504 {config}", out, ref, torch.float16)
 
 
+def check_sort_prefix_steps(gen: torch.Generator) -> None:
+    """The sort's [prefix] launch over more blocks than one step holds: each expert's exclusive
+    prefix over the blocks and its total, carried from step to step (at large M a step holds
+    256 of the blocks; here 8 of 37)."""
+    from moe_grouped_decode.kernels import expert_sort
+    num_blocks, e_pad, experts = 37, 32, expert_sort.EXPERT_BLOCK
+    counts = torch.randint(0, 50, (num_blocks + 3, e_pad), generator=gen, dtype=torch.int32)
+    for chunk in (8, 64):
+        block_counts, totals = counts.clone(), torch.full((e_pad,), -7, dtype=torch.int32)
+        expert_sort.prefix_kernel[(e_pad // experts,)](block_counts, num_blocks, totals, E_PAD=e_pad, CHUNK=chunk,
+                                                       EXPERTS=experts)
+        live = counts[:num_blocks].long()
+        want = torch.cat([live.cumsum(0) - live, counts[num_blocks:].long()])  # rows past the blocks untouched
+        ok = torch.equal(block_counts.long(), want) and torch.equal(totals.long(), live.sum(0))
+        print(f"{'ok  ' if ok else 'FAIL'} sort prefix over {num_blocks} blocks, {chunk} a step", flush=True)
+        if not ok:
+            sys.exit(1)
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     # K=64, 2N=64: one W13 column tile of 8 int32s, two 32-row K-splits, one W2 column tile; the
@@ -287,6 +306,7 @@ def main() -> None:
 
     check_overflow_grouped(gen, base)
     check_overflow_prefill(gen)
+    check_sort_prefix_steps(gen)
 
     # the benchmark's two-launch read floor sorts with this compaction kernel: one padded sort at
     # R = 10 and R = 135

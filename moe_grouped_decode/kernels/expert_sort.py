@@ -6,7 +6,7 @@ is its expert's offset + the rows of that expert in earlier blocks + its rank in
     [ranks]    program per block of BLOCK_ROWS rows: each row's rank among the earlier rows of
                its block with the same expert; the block's histogram -> block_counts[b, :]
     [prefix]   program per EXPERT_BLOCK experts: block_counts[:, e] -> exclusive prefix over
-               blocks (in place); expert_totals[e]
+               blocks (in place, PREFIX_CHUNK blocks a step); expert_totals[e]
     [groups]   one program: expert_offsets = exclusive cumsum of the totals; each expert's
                cdiv(total, T) groups numbered in expert order; per group its expert, first
                sorted position and row count; num_groups
@@ -31,6 +31,7 @@ from .pdl import let_next_launch_start, wait_for_previous_launch
 
 BLOCK_ROWS = 128  # rows per [ranks] / [scatter] program: the rank is a BLOCK_ROWS^2 comparison
 EXPERT_BLOCK = 16  # experts per [prefix] program
+PREFIX_CHUNK = 256  # blocks per [prefix] step: 256 x EXPERT_BLOCK counts, 32 per thread of 4 warps
 
 
 @triton.jit
@@ -68,15 +69,20 @@ def ranks_kernel(ids_ptr, rows, ranks_ptr, block_counts_ptr, id_flag_ptr,
 
 @triton.jit(do_not_specialize=["num_blocks"])
 def prefix_kernel(block_counts_ptr, num_blocks, expert_totals_ptr,
-                  E_PAD: tl.constexpr, NB_PAD: tl.constexpr, EXPERTS: tl.constexpr, USE_PDL: tl.constexpr = False):
+                  E_PAD: tl.constexpr, CHUNK: tl.constexpr, EXPERTS: tl.constexpr, USE_PDL: tl.constexpr = False):
     _after_previous_launch(USE_PDL)
     e = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
-    b = tl.arange(0, NB_PAD)
-    at = block_counts_ptr + b[:, None] * E_PAD + e[None, :]
-    in_range = (b[:, None] < num_blocks) & (e[None, :] >= 0)
-    counts = tl.load(at, mask=in_range, other=0)
-    tl.store(at, tl.cumsum(counts, axis=0) - counts, mask=in_range)
-    tl.store(expert_totals_ptr + e, tl.sum(counts, axis=0))
+    # CHUNK blocks at a time with a running total: a tile over every block at once outgrows
+    # the registers at large M and spills (the sort then costs more than the GEMMs)
+    carried = tl.zeros([EXPERTS], tl.int32)
+    for first in range(0, num_blocks, CHUNK):
+        b = first + tl.arange(0, CHUNK)
+        at = block_counts_ptr + b[:, None] * E_PAD + e[None, :]
+        in_range = (b[:, None] < num_blocks) & (e[None, :] >= 0)
+        counts = tl.load(at, mask=in_range, other=0)
+        tl.store(at, carried[None, :] + tl.cumsum(counts, axis=0) - counts, mask=in_range)
+        carried += tl.sum(counts, axis=0)
+    tl.store(expert_totals_ptr + e, carried)
 
 
 @triton.jit

@@ -427,7 +427,7 @@ def _sort_stage(M: int, top_k: int, E: int, group_rows: int, check_ids: bool = F
     max_groups = expert_sort.max_groups(rows, E, group_rows)
     # the sort's tiles sized for the next power of two of M: one binary serves a whole bucket
     bucket_rows = _next_pow2(M) * top_k
-    nb_pad = _next_pow2(triton.cdiv(bucket_rows, block))
+    prefix_chunk = min(_next_pow2(triton.cdiv(bucket_rows, block)), expert_sort.PREFIX_CHUNK)
     g_pad = _next_pow2(expert_sort.max_groups(bucket_rows, E, group_rows))
     regions, numel = _layout((
         ("ranks", (rows,), False), ("block_counts", (num_blocks, e_pad), False), ("expert_totals", (e_pad,), False),
@@ -443,7 +443,7 @@ def _sort_stage(M: int, top_k: int, E: int, group_rows: int, check_ids: bool = F
                _items({"num_warps": 4, **options}), False),
         Launch("sort_prefix", "sort", expert_sort.prefix_kernel, (e_pad // expert_sort.EXPERT_BLOCK,),
                ("block_counts", "num_blocks", "expert_totals"),
-               _items(dict(E_PAD=e_pad, NB_PAD=nb_pad, EXPERTS=expert_sort.EXPERT_BLOCK, USE_PDL=use_pdl)),
+               _items(dict(E_PAD=e_pad, CHUNK=prefix_chunk, EXPERTS=expert_sort.EXPERT_BLOCK, USE_PDL=use_pdl)),
                _items({"num_warps": 4, **options}), False),
         Launch("sort_groups", "sort", expert_sort.groups_kernel, (1,),
                ("expert_totals", "expert_offsets", "group_first", "group_expert", "group_start", "group_count",
