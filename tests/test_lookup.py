@@ -222,8 +222,8 @@ def planned_launches(monkeypatch):
     plans = []
     monkeypatch.setattr(plan, "launch_plan", lambda grouped, *args, **kwargs: plans.append(grouped) or [])
     monkeypatch.setattr(plan, "launch_prefill", lambda prefill, *args, **kwargs: plans.append(prefill) or [])
-    monkeypatch.setattr(torch.ops.moe_grouped_decode, "awq_moe_grouped_decode", cuda._awq_moe_grouped_decode_cuda)
-    monkeypatch.setattr(torch.ops.moe_grouped_decode, "awq_moe_dense", cuda._awq_moe_dense_cuda)
+    monkeypatch.setattr(torch.ops.moe_grouped_decode, "awq_moe_grouped_decode", cuda.awq_moe_grouped_decode_cuda)
+    monkeypatch.setattr(torch.ops.moe_grouped_decode, "awq_moe_dense", cuda.awq_moe_dense_cuda)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     return plans
 

@@ -379,3 +379,35 @@ def test_the_ranks_outputs_summed_are_the_global_layer(job):
     # the whole vLLM layer: its router, the method on each rank, its all-reduce
     assert job["layer_out_same_on_every_rank"]
     assert all(r["layer_out_vs_reference"] <= SCALED_MAX_ABS_BOUND for r in job["ranks"])
+
+
+def test_apply_calls_the_implementations_directly_outside_tracing(global_layer, monkeypatch):
+    """Outside tracing ``apply`` calls the ops' implementations for the input's device type
+    directly (on a GPU: the dispatcher's way costs more host time than the launches), the
+    grouped one inside the window and the dense one outside; while tracing, the ops themselves.
+    The CPU stands in for the GPU here: its entry is the ops' own CPU implementations, recorded."""
+    from moe_grouped_decode.compile_plugin import moe_method
+
+    calls = []
+
+    def recorded(name, op):
+        return lambda *args: calls.append(name) or op(*args)
+
+    monkeypatch.setitem(moe_method.EAGER_IMPLEMENTATIONS, "cpu", (
+        recorded("grouped", OPS.awq_moe_grouped_decode), recorded("dense", OPS.awq_moe_dense)))
+    layer = fake_layer(global_layer, None)
+    contract = ShapeContract("direct-apply-test", E, TOP_K, K, N, G, min_tokens=1, max_tokens=8,
+                             dtypes=(torch.float16,))
+    method = method_for(E, contract)
+    with contract_registered(contract):
+        for m, route in ((3, "grouped"), (12, "dense")):
+            x, tw, ids = global_routing(m, seed=60 + m, outside=False)
+            expected = OPS.awq_moe_dense(x, tw, ids, *global_layer.op_args())
+            with method.grouped_route():
+                assert torch.equal(method.apply(layer, x, tw, ids, None, None), expected)
+            assert calls == [route]
+            calls.clear()
+            with monkeypatch.context() as tracing, method.grouped_route():
+                tracing.setattr(torch.compiler, "is_compiling", lambda: True)
+                assert torch.equal(method.apply(layer, x, tw, ids, None, None), expected)
+            assert calls == []

@@ -21,11 +21,16 @@ from vllm.scalar_type import scalar_types
 from ..contract import ACTIVATION_DTYPES, Admission, LayerShape
 from ..env import batch_invariant
 from ..kernels.lookup import launch_choice
-from ..ops import alloc_workspace, local_expert_ids
+from ..ops import alloc_workspace, awq_moe_dense_cuda, awq_moe_grouped_decode_cuda, local_expert_ids
 
 # One workspace per (device, rows, K, N): MoE layers run one after another, so
 # every layer of a model shares it; allocated once, before any graph capture.
 _WORKSPACES: dict = {}
+
+# the ops' implementations (grouped, dense) that ``apply`` calls directly per device type, outside
+# tracing: a GPU step outside vLLM's CUDA graphs is bound by the host's time, and the dispatcher's
+# way to an implementation costs more of it than all of the kernels' launches
+EAGER_IMPLEMENTATIONS = {"cuda": (awq_moe_grouped_decode_cuda, awq_moe_dense_cuda)}
 
 
 def shared_workspace(max_tokens: int, top_k: int, hidden_size: int, intermediate_size: int, device) -> torch.Tensor:
@@ -187,9 +192,11 @@ class AwqMoeGroupedDecodeMethod(AutoAWQMoEMethod):
         # Data-parallel EP gathers every DP rank's tokens before apply, which can
         # pass what the workspace was sized for (one engine's max_num_batched_tokens).
         num_tokens = x.shape[0]
+        # outside tracing, on a GPU, straight to the op's implementation (EAGER_IMPLEMENTATIONS)
+        direct = None if torch.compiler.is_compiling() else EAGER_IMPLEMENTATIONS.get(x.device.type)
+        grouped, dense = direct or (torch.ops.moe_grouped_decode.awq_moe_grouped_decode,
+                                    torch.ops.moe_grouped_decode.awq_moe_dense)
         if (self._grouped_route and num_tokens <= self.workspace_tokens
                 and launch_choice(x.device, self.shape.shape, self.shape.dtype, num_tokens).route == "grouped"):
-            return torch.ops.moe_grouped_decode.awq_moe_grouped_decode(
-                x, topk_weights, topk_ids, *weights, self.workspace
-            )
-        return torch.ops.moe_grouped_decode.awq_moe_dense(x, topk_weights, topk_ids, *weights)
+            return grouped(x, topk_weights, topk_ids, *weights, self.workspace)
+        return dense(x, topk_weights, topk_ids, *weights)

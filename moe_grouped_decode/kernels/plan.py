@@ -343,7 +343,7 @@ def launch_plan(plan: GroupedPlan, hidden_states, topk_weights, topk_ids, weight
         elif sort_scratch.numel() < plan.sort_numel or sort_scratch.dtype != torch.int32:
             raise ValueError(f"grouped_decode: the sort's scratch must be int32 of at least {plan.sort_numel} elements")
         values.update(rows=plan.rows, num_blocks=triton.cdiv(plan.rows, expert_sort.BLOCK_ROWS),
-                      max_groups=plan.max_groups, **_region_views(plan.sort_regions, sort_scratch, plan.dtype))
+                      max_groups=plan.max_groups, **_launch_views(plan.sort_regions, sort_scratch, plan.dtype))
         # W2 over groups reads 16-bit activations: the fp32 activations region's first half
         values["act16"] = scratch.activations.view(-1)[: plan.rows * plan.intermediate_size // 2].view(
             plan.dtype).view(plan.rows, plan.intermediate_size)
@@ -399,6 +399,17 @@ def _region_views(regions, scratch: torch.Tensor, dtype: torch.dtype) -> Dict[st
         else:
             views[name] = scratch[offset: offset + numel].view(shape)
     return views
+
+
+def _launch_views(regions, scratch: torch.Tensor, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """The regions as the kernels read them: each from its offset to the next region's, flat.
+    A kernel reads only a region's address, and one split makes them all: a view per region,
+    sliced and shaped, costs more host time than the step's GPU time when vLLM runs the layer
+    outside a CUDA graph."""
+    offsets = [offset for _, offset, _, _ in regions]
+    pieces = scratch.split([offsets[0]] + [b - a for a, b in zip(offsets, offsets[1:])]
+                           + [scratch.numel() - offsets[-1]])[1:]
+    return {name: piece.view(dtype) if half else piece for (name, _, _, half), piece in zip(regions, pieces)}
 
 
 def _layout(regions_spec, offset: int = 0):
@@ -591,7 +602,7 @@ def launch_prefill(plan: PrefillPlan, hidden_states, topk_weights, topk_ids, wei
         "max_groups": expert_sort.max_groups(rows, plan.num_experts, plan.config.group_rows),
         "w13_qweight": weights.w13_qweight, "w13_scales": weights.w13_scales, "w13_qzeros": weights.w13_qzeros,
         "w2_qweight": weights.w2_qweight, "w2_scales": weights.w2_scales, "w2_qzeros": weights.w2_qzeros,
-        **plan.scratch_views(scratch),
+        **_launch_views(plan.regions, scratch, plan.dtype),
         "id_flag": _checked_flag(id_flag, plan.check_ids),
     }
     return _run(plan.launches, values)

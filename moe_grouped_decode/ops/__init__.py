@@ -4,8 +4,8 @@ Importing this package registers ``torch.ops.moe_grouped_decode.awq_moe_dense``,
 ``.awq_moe_grouped_decode`` and ``.awq_moe_routed`` (route chosen from M at run time).
 """
 
-from .cuda import (grouped_plan_for, ids_flag, launch_grouped, launch_prefill, prefill_plan_for,  # registers the CUDA
-                   raise_on_flagged_ids, warmup)  # implementations
+from .cuda import (awq_moe_dense_cuda, awq_moe_grouped_decode_cuda, grouped_plan_for, ids_flag,  # registers the
+                   launch_grouped, launch_prefill, prefill_plan_for, raise_on_flagged_ids, warmup)  # CUDA implementations
 from .awq_moe import awq_moe_dense, awq_moe_grouped_decode, check_moe_args, compact_rows
 from .routed import awq_moe_routed
 from .expert_parallel import local_expert_ids
@@ -16,6 +16,8 @@ __all__ = [
     "awq_moe_dense",
     "awq_moe_grouped_decode",
     "awq_moe_routed",
+    "awq_moe_dense_cuda",
+    "awq_moe_grouped_decode_cuda",
     "check_moe_args",
     "compact_rows",
     "local_expert_ids",

@@ -110,7 +110,10 @@ def _checked_call(op_name: str, device, launch) -> None:
 
 
 @awq_moe_grouped_decode.register_kernel("cuda")
-def _awq_moe_grouped_decode_cuda(hidden_states, topk_weights, topk_ids, *weight_args_and_workspace):
+def awq_moe_grouped_decode_cuda(hidden_states, topk_weights, topk_ids, *weight_args_and_workspace):
+    """``awq_moe_grouped_decode``'s CUDA implementation; an eager caller outside tracing may call
+    it directly (as the vLLM method's apply does): the dispatcher's way to it costs more host
+    time per call than the kernels' launches."""
     *weight_args, workspace = weight_args_and_workspace
     weights = AwqMoeWeights(*weight_args)
     check_moe_args("awq_moe_grouped_decode", hidden_states, topk_weights, topk_ids, weights, workspace)
@@ -149,7 +152,8 @@ def launch_prefill(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights
 
 
 @awq_moe_dense.register_kernel("cuda")
-def _awq_moe_dense_cuda(hidden_states, topk_weights, topk_ids, *weight_args):
+def awq_moe_dense_cuda(hidden_states, topk_weights, topk_ids, *weight_args):
+    """``awq_moe_dense``'s CUDA implementation; callable directly as ``awq_moe_grouped_decode_cuda``."""
     weights = AwqMoeWeights(*weight_args)
     check_moe_args("awq_moe_dense", hidden_states, topk_weights, topk_ids, weights)
     out = torch.empty_like(hidden_states)

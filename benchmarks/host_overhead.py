@@ -1,0 +1,106 @@
+"""Host time per eager call of the prefill route, piece by piece (GPU).
+
+Outside vLLM's CUDA graphs (prefill steps above the largest captured batch) every MoE layer's
+call runs its Python: the argument checks, the lookup of route and config, the plan, the scratch
+views and one Triton launch per kernel. A step of 48 layers at 512 prompt tokens is host-bound
+(the GPU idles between launches), so the microseconds here are the time to first token there.
+
+Each piece is called ``--calls`` times back to back without a sync (so the kernels queue behind
+and the host's time is what is measured), ``--repeats`` times; the median per call is reported.
+
+    python benchmarks/host_overhead.py --tokens 512,2048 --out /tmp/host
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from moe_grouped_decode.awq import synthetic_moe_weights
+from moe_grouped_decode.kernels import plan as launch_plans
+from moe_grouped_decode.ops import awq_moe_dense_cuda, check_moe_args, launch_prefill, prefill_plan_for
+
+
+def per_call_us(fn, calls: int, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="512,10,2560,160,32", help="E,k,K,N,G")
+    parser.add_argument("--tokens", default="512,2048")
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    E, k, K, N, G = (int(v) for v in args.shape.split(","))
+    weights = synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=0, device="cuda")
+    weight_args = (weights.w13_qweight, weights.w13_scales, weights.w13_qzeros, weights.w2_qweight,
+                   weights.w2_scales, weights.w2_qzeros, G)
+    rows = []
+    for M in (int(v) for v in args.tokens.split(",")):
+        gen = torch.Generator(device="cuda").manual_seed(M)
+        x = torch.randn(M, K, device="cuda", generator=gen).half()
+        tw = torch.rand(M, k, device="cuda", generator=gen)
+        ids = torch.rand(M, E, device="cuda", generator=gen).topk(k, dim=1).indices.to(torch.int32)
+        out = torch.empty_like(x)
+        plan = prefill_plan_for(x, ids, weights)
+        scratch = torch.empty(plan.scratch_numel, dtype=torch.int32, device="cuda")
+        views = plan.scratch_views(scratch)
+        values = {
+            "x": x, "x_stride": x.stride(0), "topk_ids": ids, "topk_weights": tw, "out": out,
+            "out_stride": out.stride(0), "rows": plan.rows, "num_blocks": -(-plan.rows // 128),
+            "max_groups": views["group_expert"].numel(),
+            "w13_qweight": weights.w13_qweight, "w13_scales": weights.w13_scales, "w13_qzeros": weights.w13_qzeros,
+            "w2_qweight": weights.w2_qweight, "w2_scales": weights.w2_scales, "w2_qzeros": weights.w2_qzeros,
+            **views, "id_flag": None,
+        }
+        pieces = {
+            "op (torch.ops ... awq_moe_dense)": lambda: torch.ops.moe_grouped_decode.awq_moe_dense(x, tw, ids,
+                                                                                                   *weight_args),
+            "awq_moe_dense_cuda (the op's implementation, as apply calls it)": lambda: awq_moe_dense_cuda(
+                x, tw, ids, *weight_args),
+            "launch_prefill (no op dispatch, no checks)": lambda: launch_prefill(x, tw, ids, weights, out),
+            "check_moe_args": lambda: check_moe_args("awq_moe_dense", x, tw, ids, weights),
+            "prefill_plan_for (lookup + plan)": lambda: prefill_plan_for(x, ids, weights),
+            "scratch_views (shaped, for inspection)": lambda: plan.scratch_views(scratch),
+            "torch.empty (scratch)": lambda: torch.empty(plan.scratch_numel, dtype=torch.int32, device="cuda"),
+            "kernels.plan.launch_prefill (views + launches)": lambda: launch_plans.launch_prefill(
+                plan, x, tw, ids, weights, scratch, out),
+        }
+        for launch in plan.launches:
+            def one(launch=launch):
+                launch.kernel[launch.grid](*[values[name] for name in launch.args], **dict(launch.constexprs),
+                                           **dict(launch.options))
+            pieces[f"launch {launch.name} ({len(launch.args)} args)"] = one
+        for name, fn in pieces.items():
+            us = per_call_us(fn, args.calls, args.repeats)
+            rows.append({"M": M, "piece": name, "host_us": us})
+            print(f"M={M:6d} {name:50s} {us:8.1f} us", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
+        json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "host_overhead.md"), "w") as f:
+        f.write(f"Host us per eager call, {device}, shape {args.shape} fp16 (median of {args.repeats} x "
+                f"{args.calls} calls)\n\n| M | piece | host us |\n| --- | --- | --- |\n")
+        for row in rows:
+            f.write(f"| {row['M']} | {row['piece']} | {row['host_us']:.1f} |\n")
+
+
+if __name__ == "__main__":
+    main()
