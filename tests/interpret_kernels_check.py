@@ -213,11 +213,12 @@ def check_overflow_prefill(gen: torch.Generator) -> None:
 def check_sort_prefix_steps(gen: torch.Generator) -> None:
     """The sort's [prefix] launch over more blocks than one step holds: each expert's exclusive
     prefix over the blocks and its total, carried from step to step (at large M a step holds
-    256 of the blocks; here 8 of 37)."""
+    256 of the blocks; here 8), at every edge of the steps: no block, one, a whole step, one
+    past it, several and a remainder."""
     from moe_grouped_decode.kernels import expert_sort
-    num_blocks, e_pad, experts = 37, 32, expert_sort.EXPERT_BLOCK
-    counts = torch.randint(0, 50, (num_blocks + 3, e_pad), generator=gen, dtype=torch.int32)
-    for chunk in (8, 64):
+    e_pad, experts = 32, expert_sort.EXPERT_BLOCK
+    counts = torch.randint(0, 50, (40, e_pad), generator=gen, dtype=torch.int32)
+    for num_blocks, chunk in ((0, 8), (1, 8), (8, 8), (9, 8), (33, 8), (37, 8), (37, 64)):
         block_counts, totals = counts.clone(), torch.full((e_pad,), -7, dtype=torch.int32)
         expert_sort.prefix_kernel[(e_pad // experts,)](block_counts, num_blocks, totals, E_PAD=e_pad, CHUNK=chunk,
                                                        EXPERTS=experts)

@@ -3,8 +3,9 @@
 It reuses ``AutoAWQMoEMethod.create_weights`` (same parameter names, shapes and
 weight loaders, so checkpoints load exactly as vLLM loads them) and skips
 everything after: no Marlin repack, no second copy. ``apply`` calls the dense
-op; the compile-time rewrite (``passes.py``) turns it into the grouped op where
-the layer's contract admits the step's token count.
+op (eagerly on a GPU, its implementation directly); the compile-time rewrite
+(``passes.py``) turns it into the grouped op where the layer's contract admits
+the step's token count.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from ..ops import alloc_workspace, awq_moe_dense_cuda, awq_moe_grouped_decode_cu
 # every layer of a model shares it; allocated once, before any graph capture.
 _WORKSPACES: dict = {}
 
-# the ops' implementations (grouped, dense) that ``apply`` calls directly per device type, outside
-# tracing: a GPU step outside vLLM's CUDA graphs is bound by the host's time, and the dispatcher's
-# way to an implementation costs more of it than all of the kernels' launches
+# the ops' implementations (grouped, dense) that ``apply`` calls directly per device type, on a
+# plain tensor outside tracing: a GPU step outside vLLM's CUDA graphs is bound by the host's time,
+# and the dispatcher's way to an implementation costs more of it than all of the kernels' launches
 EAGER_IMPLEMENTATIONS = {"cuda": (awq_moe_grouped_decode_cuda, awq_moe_dense_cuda)}
 
 
@@ -192,8 +193,10 @@ class AwqMoeGroupedDecodeMethod(AutoAWQMoEMethod):
         # Data-parallel EP gathers every DP rank's tokens before apply, which can
         # pass what the workspace was sized for (one engine's max_num_batched_tokens).
         num_tokens = x.shape[0]
-        # outside tracing, on a GPU, straight to the op's implementation (EAGER_IMPLEMENTATIONS)
-        direct = None if torch.compiler.is_compiling() else EAGER_IMPLEMENTATIONS.get(x.device.type)
+        # outside tracing, on a GPU, straight to the op's implementation (EAGER_IMPLEMENTATIONS);
+        # a tensor subclass (a fake tensor of some other tracer) keeps the ops and their fake kernels
+        eager = type(x) is torch.Tensor and not torch.compiler.is_compiling()
+        direct = EAGER_IMPLEMENTATIONS.get(x.device.type) if eager else None
         grouped, dense = direct or (torch.ops.moe_grouped_decode.awq_moe_grouped_decode,
                                     torch.ops.moe_grouped_decode.awq_moe_dense)
         if (self._grouped_route and num_tokens <= self.workspace_tokens
