@@ -407,8 +407,8 @@ def _launch_views(regions, scratch: torch.Tensor, dtype: torch.dtype) -> Dict[st
     sliced and shaped, costs more host time than the step's GPU time when vLLM runs the layer
     outside a CUDA graph."""
     offsets = [offset for _, offset, _, _ in regions]
-    pieces = scratch.split([offsets[0]] + [b - a for a, b in zip(offsets, offsets[1:])]
-                           + [scratch.numel() - offsets[-1]])[1:]
+    pieces = scratch.split_with_sizes([offsets[0]] + [b - a for a, b in zip(offsets, offsets[1:])]
+                                      + [scratch.numel() - offsets[-1]])[1:]
     return {name: piece.view(dtype) if half else piece for (name, _, _, half), piece in zip(regions, pieces)}
 
 
