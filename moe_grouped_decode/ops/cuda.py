@@ -97,12 +97,14 @@ def raise_on_flagged_ids(device=None) -> None:
 
 
 def _checked_call(op_name: str, device, launch) -> None:
-    """Run ``launch()``; in the debug mode check the flag before and after it, outside a capture."""
-    if not env.check_ids() or torch.cuda.is_current_stream_capturing():
-        launch()
+    """Run ``launch(check_ids)`` with the debug mode's switch read once for the call; in the debug
+    mode check the flag before and after it, outside a capture."""
+    check_ids = env.check_ids()
+    if not check_ids or torch.cuda.is_current_stream_capturing():
+        launch(check_ids)
         return
     raise_on_flagged_ids(device)
-    launch()
+    launch(check_ids)
     try:
         raise_on_flagged_ids(device)
     except ValueError as error:
@@ -120,8 +122,8 @@ def awq_moe_grouped_decode_cuda(hidden_states, topk_weights, topk_ids, *weight_a
     out = torch.empty_like(hidden_states)
     if hidden_states.shape[0] == 0:
         return out
-    _checked_call("awq_moe_grouped_decode", hidden_states.device, lambda: launch_grouped(
-        hidden_states.contiguous(), topk_weights, topk_ids, weights, workspace, out))
+    _checked_call("awq_moe_grouped_decode", hidden_states.device, lambda check_ids: launch_grouped(
+        hidden_states.contiguous(), topk_weights, topk_ids, weights, workspace, out, check_ids=check_ids))
     return out
 
 
@@ -159,8 +161,8 @@ def awq_moe_dense_cuda(hidden_states, topk_weights, topk_ids, *weight_args):
     out = torch.empty_like(hidden_states)
     if hidden_states.shape[0] == 0:
         return out
-    _checked_call("awq_moe_dense", hidden_states.device, lambda: launch_prefill(
-        hidden_states.contiguous(), topk_weights, topk_ids, weights, out))
+    _checked_call("awq_moe_dense", hidden_states.device, lambda check_ids: launch_prefill(
+        hidden_states.contiguous(), topk_weights, topk_ids, weights, out, check_ids=check_ids))
     return out
 
 
