@@ -2,6 +2,7 @@
 what the plans and tables need to know of a device (``DeviceFacts``), asked once per device.
 
     plan.py          both routes' launch plans: which kernels, grids and constexprs; the loop that runs them
+    launcher.py      one launch: Triton's dispatch the first time, its compiled binary directly after
     w13_gluon.py     W13 (split-K partials), loads staged in shared memory (Gluon)
     w13_tl.py        the same W13 in Triton tl (the interpreter, no Gluon, the switch off)
     w2_gluon.py      W2 + SiLU + fused combine, weights staged in shared memory (Gluon)

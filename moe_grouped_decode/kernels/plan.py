@@ -45,8 +45,8 @@ import torch
 import triton
 
 from .. import env
-from . import (MIN_CUDA_CAPABILITY, DeviceFacts, device_facts, expert_sort, gluon_helpers, prefill, prefill_dot,
-               prefill_wgmma, w13_gluon, w13_tl, w2_gluon, w2_tl)
+from . import (MIN_CUDA_CAPABILITY, DeviceFacts, device_facts, expert_sort, gluon_helpers, launcher, prefill,
+               prefill_dot, prefill_wgmma, w13_gluon, w13_tl, w2_gluon, w2_tl)
 from .awq_mma import CHUNK_ROWS, TILE_WORDS
 from .carveout import prefer_max_shared_carveout
 from .combine import COMBINE_BLOCK, COMBINE_WARPS, combine_kernel, combine_valid_kernel
@@ -363,8 +363,7 @@ def _checked_flag(id_flag: Optional[torch.Tensor], needed: bool) -> Optional[tor
 def _run(launches, values) -> list:
     launched = []
     for launch in launches:
-        compiled = launch.kernel[launch.grid](*[values[name] for name in launch.args], **dict(launch.constexprs),
-                                              **dict(launch.options))
+        compiled = launcher.run(launch, [values[name] for name in launch.args])
         if launch.max_shared_carveout:
             prefer_max_shared_carveout(compiled)
         launched.append(compiled)

@@ -1,0 +1,89 @@
+"""One launch of a plan: through Triton's dispatch the first time, straight to its binary after.
+
+Outside vLLM's CUDA graphs (prefill steps above the largest captured batch) every MoE layer's
+call launches its kernels from Python, and a step of 48 layers is then bound by the host's time.
+Most of a launch's host time is Triton's dispatch (``kernel[grid](...)``: its options, the
+specialization of every argument, a cache key built as a string), not the launch itself.
+
+Which binary Triton runs depends on the arguments only through their specialization (each
+tensor's dtype and whether its address is 16-byte aligned; each int's range, divisibility by 16
+and being 1; None and bools as constants), the current device, and the constexprs and options,
+which a ``Launch`` fixes. The cache here keys on something finer: the ``Launch`` itself, the
+current device, each tensor's dtype and alignment, and every other argument's type and exact
+value. A hit is therefore an argument list Triton would have given the same binary, and it is
+launched the way Triton launches it (the compiled kernel's own runner: the current stream, the
+launch hooks). Triton's debug and instrumentation knobs, read per launch by its dispatch, are
+not part of the key: a binary compiled before one is set keeps running.
+
+Only compiled kernels are cached: under ``TRITON_INTERPRET=1`` every launch goes through
+Triton, as does any kernel with pre-run hooks or of a Triton whose compiled kernels lack the
+runner this relies on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, Sequence, Tuple
+
+import torch
+
+ENABLED = True  # tests switch the cache off to compare against Triton's own dispatch
+MAX_ENTRIES = 4096  # distinct (launch, specialization) pairs kept; past it the cache starts over
+
+# key -> (the Launch, its compiled kernel, runner, the constexprs and defaults after the runtime arguments)
+_entries: Dict[Tuple, Tuple[Any, Any, Any, Tuple]] = {}
+_cached_launches: Dict[int, Any] = {}  # id -> Launch, for those with an entry (holding them keeps ids unique)
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+def _key(launch, args: Sequence) -> Tuple:
+    return (id(launch), _current_device(), *[
+        (arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor) else (type(arg), arg)
+        for arg in args])
+
+
+def run(launch, args: Sequence):
+    """Launch ``launch`` (a plan's ``Launch``) on its runtime ``args``, in the kernel's order;
+    returns the compiled kernel (None under the interpreter)."""
+    if ENABLED and id(launch) in _cached_launches and not launch.kernel.pre_run_hooks:
+        key = _key(launch, args)
+        entry = _entries.get(key)
+        if entry is not None:
+            entry[2](*args, *entry[3])
+            return entry[1]
+    else:
+        key = None
+    compiled = launch.kernel[launch.grid](*args, **dict(launch.constexprs), **dict(launch.options))
+    if ENABLED and _launches_directly(compiled) and not launch.kernel.pre_run_hooks:
+        _remember(key if key is not None else _key(launch, args), launch, compiled, args)
+    return compiled
+
+
+def _launches_directly(compiled) -> bool:
+    return (compiled is not None and not hasattr(compiled, "result")
+            and all(hasattr(compiled, name) for name in ("function", "run", "packed_metadata", "launch_metadata")))
+
+
+def _remember(key: Tuple, launch, compiled, args: Sequence) -> None:
+    try:
+        signature = getattr(launch.kernel, "signature", None) or inspect.signature(launch.kernel.fn)
+        bound = signature.bind(*args, **dict(launch.constexprs))
+    except (TypeError, AttributeError, ValueError):  # not this Triton's calling convention: keep Triton's dispatch
+        return
+    bound.apply_defaults()
+    tail = tuple(bound.arguments.values())[len(args):]
+    if len(_entries) >= MAX_ENTRIES:
+        _entries.clear()
+        _cached_launches.clear()
+    grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+    _entries[key] = (launch, compiled, compiled[grid], tail)
+    _cached_launches[id(launch)] = launch
+
+
+def clear() -> None:
+    """Forget every cached binary: the next launch of each goes through Triton's dispatch."""
+    _entries.clear()
+    _cached_launches.clear()

@@ -1,0 +1,179 @@
+"""The launcher's cache of compiled kernels (kernels/launcher.py), on a real Triton JIT function
+whose dispatch is replaced by a recorder: which calls reach Triton's dispatch, which go straight
+to the binary, and with which arguments. The GPU tests of the ops run the real thing."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from moe_grouped_decode.kernels import launcher
+from moe_grouped_decode.kernels.plan import Launch
+
+
+@triton.jit
+def _kernel(x, y, n, flag, BLOCK: tl.constexpr, CHECK: tl.constexpr = False):
+    pass
+
+
+class _Compiled:
+    """What Triton's dispatch returns for one specialization: a binary with its runner."""
+
+    function = 0
+    packed_metadata = None
+
+    def __init__(self, calls, spec):
+        self.calls, self.spec = calls, spec
+
+    def launch_metadata(self, *args):
+        return None
+
+    def run(self, *args):
+        raise AssertionError("the launcher calls the runner, not run")
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.calls.append(("direct", self.spec, grid, args))
+        return runner
+
+
+def _spec(args):
+    """Triton's view of the arguments, coarser than the launcher's key."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                 else ("int1" if a == 1 and type(a) is int else type(a).__name__, a % 16 == 0 if type(a) is int else a)
+                 for a in args)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """(_kernel's launch, the calls log): each Triton dispatch is logged and returns its binary."""
+    calls, binaries = [], {}
+
+    def dispatch(*args, grid, warmup, **kwargs):
+        spec = _spec(args)
+        calls.append(("triton", spec, grid, args, kwargs))
+        return binaries.setdefault(spec, _Compiled(calls, spec))
+
+    monkeypatch.setattr(_kernel, "run", dispatch)
+    monkeypatch.setattr(_kernel, "pre_run_hooks", [])
+    monkeypatch.setattr(launcher, "_current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "ENABLED", True)
+    launcher.clear()
+    launch = Launch(name="k", stage="sort", kernel=_kernel, grid=(4, 2), args=("x", "y", "n", "flag"),
+                    constexprs=(("BLOCK", 8),), options=(("num_warps", 4),), max_shared_carveout=False)
+    yield launch, calls
+    launcher.clear()
+
+
+def _tensors(seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, generator=gen).half()
+    y = torch.randint(0, 9, (64,), generator=gen, dtype=torch.int32)
+    return x, y
+
+
+def test_second_launch_goes_to_the_binary_with_every_argument(recorded):
+    launch, calls = recorded
+    x, y = _tensors(0)
+    first = launcher.run(launch, [x, y, 17, None])
+    assert [c[0] for c in calls] == ["triton"]
+    assert calls[0][3] == (x, y, 17, None) and calls[0][4] == {"BLOCK": 8, "num_warps": 4}
+    x2, y2 = _tensors(1)
+    second = launcher.run(launch, [x2, y2, 17, None])
+    assert second is first
+    kind, _, grid, args = calls[1]
+    # the runtime arguments, then the constexprs and defaults in the signature's order; a 3-D grid
+    assert (kind, grid) == ("direct", (4, 2, 1))
+    assert args[:2] == (x2, y2) and args[2:] == (17, None, 8, False)
+
+
+def test_what_triton_specializes_on_sends_the_launch_back_to_triton(recorded):
+    launch, calls = recorded
+    x, y = _tensors(2)
+    launcher.run(launch, [x, y, 17, None])
+    cases = {
+        "misaligned tensor": [x[1:], y, 17, None],  # 2 bytes off a 16-byte boundary
+        "other dtype": [x.float(), y, 17, None],
+        "other int": [x, y, 32, None],
+        "int 1": [x, y, 1, None],
+        "bool": [x, y, True, None],
+        "tensor for None": [x, y, 17, y],
+    }
+    for name, args in cases.items():
+        before = len(calls)
+        launcher.run(launch, args)
+        assert calls[before][0] == "triton", name
+        launcher.run(launch, args)
+        assert calls[before + 1][0] == "direct", name
+        assert calls[before + 1][1] == calls[before][1], name  # the binary Triton gave those arguments
+
+
+def test_true_and_1_are_different_keys(recorded):
+    launch, calls = recorded
+    x, y = _tensors(3)
+    launcher.run(launch, [x, y, 1, None])
+    launcher.run(launch, [x, y, True, None])
+    assert [c[0] for c in calls] == ["triton", "triton"]
+
+
+def test_another_device_goes_through_triton(recorded, monkeypatch):
+    launch, calls = recorded
+    x, y = _tensors(4)
+    launcher.run(launch, [x, y, 17, None])
+    monkeypatch.setattr(launcher, "_current_device", lambda: 1)
+    launcher.run(launch, [x, y, 17, None])
+    assert [c[0] for c in calls] == ["triton", "triton"]
+
+
+def test_pre_run_hooks_keep_triton_dispatch(recorded, monkeypatch):
+    launch, calls = recorded
+    x, y = _tensors(5)
+    launcher.run(launch, [x, y, 17, None])
+    monkeypatch.setattr(_kernel, "pre_run_hooks", [lambda *a, **k: None])
+    launcher.run(launch, [x, y, 17, None])
+    launcher.run(launch, [x, y, 17, None])
+    assert [c[0] for c in calls] == ["triton", "triton", "triton"]
+
+
+def test_disabled_never_caches(recorded, monkeypatch):
+    launch, calls = recorded
+    monkeypatch.setattr(launcher, "ENABLED", False)
+    x, y = _tensors(6)
+    for _ in range(3):
+        launcher.run(launch, [x, y, 17, None])
+    assert [c[0] for c in calls] == ["triton"] * 3
+
+
+@pytest.mark.parametrize("returned", [None, "future"])
+def test_no_binary_no_cache(recorded, monkeypatch, returned):
+    """The interpreter's dispatch returns None; an asynchronous compile a future."""
+    launch, calls = recorded
+
+    class Future:
+        def result(self):
+            raise AssertionError("not waited on by the launcher")
+
+    def dispatch(*args, grid, warmup, **kwargs):
+        calls.append(("triton",))
+        return None if returned is None else Future()
+
+    monkeypatch.setattr(_kernel, "run", dispatch)
+    x, y = _tensors(7)
+    for _ in range(3):
+        launcher.run(launch, [x, y, 17, None])
+    assert calls == [("triton",)] * 3
+
+
+def test_cache_starts_over_past_its_bound(recorded, monkeypatch):
+    launch, calls = recorded
+    monkeypatch.setattr(launcher, "MAX_ENTRIES", 3)
+    x, y = _tensors(8)
+    for n in (16, 32, 48):
+        launcher.run(launch, [x, y, n, None])
+    launcher.run(launch, [x, y, 16, None])
+    assert calls[-1][0] == "direct"
+    launcher.run(launch, [x, y, 64, None])  # the fourth entry: the cache starts over with it
+    launcher.run(launch, [x, y, 16, None])
+    assert [c[0] for c in calls[-2:]] == ["triton", "triton"]
+    launcher.run(launch, [x, y, 64, None])
+    assert calls[-1][0] == "direct"
