@@ -157,3 +157,207 @@ def test_prefill_search_times_group_sizes_near_the_rows_an_expert_has():
     assert [c.group_rows for c in tune.plausible_prefill(candidates, 256, qwen)] == [8, 16]
     assert [c.group_rows for c in tune.plausible_prefill(candidates, 16384, qwen)] == [64, 128]
     assert [c.group_rows for c in tune.plausible_prefill(candidates[:2], 16384, qwen)] == [8, 16]  # the nearest two
+
+
+# --------------------------------------------------------------------------- a search the budget cuts short
+# The search's own logic in process: the launches are the test's (every config agrees with the
+# reference, or not where a test says so), the clock gives a cost per config and advances a fake
+# time.time() by one second a timing, so a deadline of n timings cuts the search there.
+
+
+def farthest_unsearched(order, n):
+    """The largest log2 distance from a count not among the first ``n`` of ``order`` to one that is."""
+    import math
+
+    taken = order[:n]
+    return max((min(abs(math.log2(m / s)) for s in taken) for m in order[n:]), default=0.0)
+
+
+@pytest.mark.parametrize("counts, order", [
+    (tune.PREFILL_SEARCH_TOKENS, [16384, 256, 2048, 8192, 1024, 4096, 512]),
+    (tune.GROUPED_SEARCH_TOKENS, [128, 1, 16, 4, 64, 32, 8, 2]),
+])
+def test_the_search_visits_both_ends_then_splits_the_widest_gap(counts, order):
+    assert tune.search_order(counts) == order
+    assert tune.search_order(reversed(counts)) == order  # whatever order the counts come in
+    assert sorted(order) == sorted(counts) and order[:2] == [max(counts), min(counts)]
+    # cut anywhere after both ends, no count is left further from a searched one than ascending order leaves it
+    # (which leaves the largest counts, all together); the spread only narrows as the search goes on
+    spread = [farthest_unsearched(order, n) for n in range(2, len(order) + 1)]
+    assert spread == sorted(spread, reverse=True)
+    ascending = sorted(counts)
+    assert all(farthest_unsearched(order, n) <= farthest_unsearched(ascending, n) for n in range(2, len(order)))
+    assert farthest_unsearched(order, 3) < farthest_unsearched(ascending, 3) / 2
+    assert tune.search_order([512, 256]) == [512, 256] and tune.search_order([64]) == [64]
+
+
+def test_the_nearest_searched_count_is_nearest_in_log2_ties_to_the_larger():
+    assert tune.nearest_searched(512, [256, 2048, 16384]) == 256
+    assert tune.nearest_searched(1024, [256, 2048, 16384]) == 2048
+    assert tune.nearest_searched(2048, [256, 16384]) == 16384  # three doublings either way
+    assert tune.nearest_searched(4, [1, 16]) == 16
+    assert tune.nearest_searched(4, []) is None
+
+
+class FakeSearch:
+    """A Measurement, launches and a clock for ``tune.search`` without kernels: ``cost(M, config)``
+    in microseconds; each timing advances the fake time.time() by one second; ``disagree``:
+    (M, config) pairs whose output differs from the reference; ``grouped``: the configs the
+    grouped op was launched with."""
+
+    def __init__(self, monkeypatch, shape, cost, disagree=()):
+        import types
+
+        import torch
+
+        from moe_grouped_decode import ops
+
+        self.now, self.timed, self.grouped, self.log = 0.0, [], [], []
+        self.cost, self.disagree = cost, set(disagree)
+        monkeypatch.setattr(tune, "time", types.SimpleNamespace(time=lambda: self.now))
+        monkeypatch.setattr(ops, "alloc_workspace", lambda *args: None)
+        monkeypatch.setattr(ops, "launch_prefill", lambda x, tw, ids, layer, out, config: self.launch(x, out, config))
+        monkeypatch.setattr(ops, "launch_grouped", lambda x, tw, ids, layer, workspace, out, config: (
+            self.grouped.append(config), self.launch(x, out, config)))
+        spec = tune.LayerSpec(shape, "fp16", "fake")
+        layers = [types.SimpleNamespace(w13_scales=torch.zeros(1, dtype=torch.float16))]
+        self.measure = tune.Measurement(spec, layers, self.clock, None, torch.device("cpu"))
+        self.measure.inputs = lambda M: ([None], [None], [torch.full((1, 8), float(M), dtype=torch.float16)])
+        self.progress = tune.Progress(1, out=open(os.devnull, "w"))
+
+    def launch(self, x, out, config):
+        M = int(x[0, 0].item())
+        out.fill_(2.0 if (M, config) in self.disagree else 1.0)
+
+    def clock(self, step, calls, key):
+        step(0)
+        self.now += 1.0
+        route, M, config = key
+        self.timed.append((M, config))
+        return self.cost(M, config)
+
+    def search(self, route, counts, candidates, timings=None, searched=None):
+        """``tune.search`` with a deadline after ``timings`` timings (None: no deadline)."""
+        deadline = float("inf") if timings is None else self.now + timings - 0.5
+        return tune.search(self.measure, route, counts, candidates, self.progress, deadline, self.log.append,
+                           searched=searched)
+
+
+# an (E, k, K, N, G) no table holds: the op's own configs are the built-in defaults; an expert has M / 16
+# rows on average, so the fake clock's favourite group size (the nearest to it) changes with M
+NEW_SHAPE = (64, 4, 1024, 512, 128)
+
+
+def prefill_configs():
+    from moe_grouped_decode.kernels.config import PrefillConfig
+
+    return [PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3, w2_stages=4)
+            for rows in (8, 16, 32, 64, 128)]
+
+
+def nearest_group_cost(M, config):
+    import math
+
+    return 100.0 + abs(math.log2(config.group_rows / (M * NEW_SHAPE[1] / NEW_SHAPE[0])))
+
+
+def test_a_prefill_count_the_budget_leaves_keeps_its_nearest_searched_neighbours_best(monkeypatch):
+    from moe_grouped_decode.kernels.config import prefill_config
+
+    counts = list(tune.PREFILL_SEARCH_TOKENS)
+    full = FakeSearch(monkeypatch, NEW_SHAPE, nearest_group_cost).search("prefill", counts, prefill_configs())
+    rows = {M: c.block_rows for M, c in full.items()}
+    assert rows == {256: 16, 512: 32, 1024: 64, 2048: 128, 4096: 128, 8192: 128, 16384: 128}
+    fake = FakeSearch(monkeypatch, NEW_SHAPE, nearest_group_cost)
+    # 16384 times two group sizes (the two nearest its experts' rows), 256 and 2048 four each: then the budget is spent
+    searched: set = set()
+    kept = fake.search("prefill", counts, prefill_configs(), timings=10, searched=searched)
+    assert searched == {16384, 256, 2048} and {M for M, _ in fake.timed} == searched
+    assert list(kept) == sorted(counts)
+    nearest = {256: 256, 512: 256, 1024: 2048, 2048: 2048, 4096: 2048, 8192: 16384, 16384: 16384}
+    assert kept == {M: full[near] for M, near in nearest.items()}
+    assert kept[512] != full[512] and kept[1024] != full[1024]  # a neighbour's, not what their own search finds
+    default = prefill_config(NEW_SHAPE, "cpu", "fp16", 16384)
+    assert all(c != default for c in kept.values())
+    for M in (512, 1024, 4096, 8192):
+        assert f"[tune] prefill M={M}: not searched (budget spent): keeps M={nearest[M]}'s best {kept[M]}" in fake.log
+
+
+def test_a_grouped_count_the_budget_leaves_keeps_its_neighbours_candidate_as_the_search_stores_it(monkeypatch):
+    import dataclasses
+    import math
+
+    from moe_grouped_decode.kernels.config import GroupedConfig
+
+    # one candidate a count, each fastest at its own: 1 at 1 token, ..., 8 at 128
+    candidates = [dataclasses.replace(GroupedConfig().as_tl(), w13_ring_stages=stages) for stages in range(1, 9)]
+    fake = FakeSearch(monkeypatch, NEW_SHAPE,
+                      lambda M, config: 10.0 + abs(config.w13_ring_stages - 1 - math.log2(M)))
+    kept = fake.search("grouped", tune.GROUPED_SEARCH_TOKENS, candidates, timings=3 * len(candidates))
+    assert {M for M, _ in fake.timed} == {128, 1, 16}
+    # the candidates themselves, as the search stores a searched count's best (the launches run them fitted)
+    nearest = {1: 1, 2: 1, 4: 16, 8: 16, 16: 16, 32: 16, 64: 128, 128: 128}
+    assert all(kept[M] is candidates[round(math.log2(near))] for M, near in nearest.items()), kept
+    assert set(fake.grouped) == {c.fitted(NEW_SHAPE[2]) for c in candidates}
+    assert "[tune] grouped M=4: not searched (budget spent): keeps M=16's best " + str(candidates[4]) in fake.log
+    assert "[tune] grouped M=64: not searched (budget spent): keeps M=128's best " + str(candidates[7]) in fake.log
+
+
+def test_with_nothing_searched_a_count_keeps_the_ops_own_config(monkeypatch):
+    import torch
+
+    from moe_grouped_decode.kernels.config import GroupedConfig, prefill_config
+    from moe_grouped_decode.kernels.lookup import launch_choice
+
+    fake = FakeSearch(monkeypatch, NEW_SHAPE, nearest_group_cost)
+    searched: set = set()
+    kept = fake.search("prefill", tune.PREFILL_SEARCH_TOKENS, prefill_configs(), timings=0, searched=searched)
+    assert kept == {M: prefill_config(NEW_SHAPE, "cpu", "fp16", M) for M in tune.PREFILL_SEARCH_TOKENS}
+    assert searched == set() and fake.timed == []
+    assert any(line.startswith("[tune] prefill M=16384: not searched (budget spent, no searched count's best")
+               and "keeps the op's own" in line for line in fake.log), fake.log
+    kept = fake.search("grouped", tune.GROUPED_SEARCH_TOKENS, [GroupedConfig().as_tl()], timings=0)
+    assert kept == {M: launch_choice(torch.device("cpu"), NEW_SHAPE, torch.float16, M, route="grouped").config
+                    for M in tune.GROUPED_SEARCH_TOKENS}
+
+
+def test_a_count_where_no_candidate_agrees_keeps_the_ops_own_config_not_a_neighbours(monkeypatch):
+    from moe_grouped_decode.kernels.config import prefill_config
+
+    candidates = prefill_configs()
+    fake = FakeSearch(monkeypatch, NEW_SHAPE, nearest_group_cost, disagree={(512, c) for c in candidates})
+    kept = fake.search("prefill", tune.PREFILL_SEARCH_TOKENS, candidates)
+    assert kept[512] == prefill_config(NEW_SHAPE, "cpu", "fp16", 512)
+    assert any(line.startswith("[tune] prefill M=512: not searched (no candidate ran): keeps the op's own")
+               for line in fake.log), fake.log
+
+
+def test_refinement_also_searches_counts_the_first_search_did_not_reach_worst_first(monkeypatch):
+    """A prefill count the budget left (it runs a neighbour's best) is searched again when its margin
+    is thin, the worst margin first, though the first search's entries name it."""
+    from moe_grouped_decode.kernels.config import PrefillConfig
+
+    counts = (256, 1024, 4096, 16384)
+    best = {M: PrefillConfig(block_rows=16 if M < 1024 else 128, kernel="wgmma") for M in counts}
+    speedup = {256: 1.5, 1024: 1.05, 4096: 1.3, 16384: 0.8}  # 16384 and 1024 were not searched
+    timings = {M: tune.Timings(None, 100.0, {"marlin": 100.0 * speedup[M]}) for M in counts}
+
+    def table_of(t):
+        routes = tune.route_table(counts, [None] * 4, [t[m].prefill_us for m in counts],
+                                  {"marlin": [t[m].vllm_us["marlin"] for m in counts]})
+        return tables.MeasuredTable(gpu="Test GPU", shape=NEW_SHAPE, dtype="fp16", name="refine", generator="",
+                                    versions={}, routes=routes, grouped=(), prefill=tune.launch_table_entries(best))
+
+    visited = []
+
+    def search(measure, route, token_counts, candidates, progress, deadline, log=print, always=(), searched=None):
+        visited.extend(token_counts)
+        return {M: always[0] for M in token_counts}  # each keeps the config it runs: nothing changes
+
+    monkeypatch.setattr(tune, "search", search)
+    fake = FakeSearch(monkeypatch, NEW_SHAPE, nearest_group_cost)
+    args = (fake.measure, timings, best, prefill_configs(), table_of, fake.progress, float("inf"), fake.log.append)
+    assert tune.refine_prefill(*args, searched={256, 4096}) == best
+    assert visited == [16384, 1024]
+    visited.clear()
+    assert tune.refine_prefill(*args) == best and visited == []  # without it: every count of best counts as searched

@@ -14,6 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import dataclasses  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -138,6 +139,23 @@ def main(cache: Path) -> None:
     kept = tune.search(cut, "prefill", [16, 64], [FAST_PREFILL], progress, deadline=0.0, log=logged.append)
     assert kept == {M: prefill_config(other.shape, "cpu", "fp16", M) for M in (16, 64)}, kept
     assert any("not searched" in line for line in logged)
+    # a budget spent after the first count (the largest): the counts left keep its best, the candidate itself as
+    # a searched count stores it (the kernels launched here run it fitted), not the op's own config
+    now = [0.0]
+
+    def ticking(step, calls, key):  # each timing one second of a clock the search reads as time.time()
+        now[0] += 1.0
+        return clock(step, calls, key)
+
+    real_time, tune.time = tune.time, types.SimpleNamespace(time=lambda: now[0])
+    try:
+        ticked = tune.Measurement(other, layers, ticking, vllm_timer, device, large_layers=1)
+        kept = tune.search(ticked, "grouped", [1, 2, 4], [SLOW, FAST], progress, deadline=1.5, log=logged.append)
+    finally:
+        tune.time = real_time
+    assert kept == {1: FAST, 2: FAST, 4: FAST} and kept[1] is FAST, kept
+    assert [c[:2] for c in CALLS[-2:]] == [("grouped", 4)] * 2, CALLS[-2:]
+    assert f"[tune] grouped M=1: not searched (budget spent): keeps M=4's best {FAST}" in logged, logged[-3:]
     print("tune interpreter check passed")
 
 

@@ -14,17 +14,20 @@ weights through one CUDA graph:
 
 1. search: the grouped op's launch configs at a few token counts up to ``--grouped-max``, the
    prefill route's at a few counts above (each candidate checked against the prefill route's
-   default output first; a wrong one is dropped, said why);
+   default output first; a wrong one is dropped, said why). The counts go both ends first, then
+   each splitting the widest gap left, so a count ``--budget-s`` leaves unsearched lies between
+   searched ones and keeps the nearest one's best: the op's default at a new shape can be many
+   times slower, most at the largest counts;
 2. measure: at every token count of the grid (1..``--max-tokens``, 16384 by default: vLLM's
    compile ranges reach it), the grouped op (up to ``--grouped-max``) and the prefill route
    under the configs found, and vLLM's MARLIN and HUMMING MoE backends (through the installed
    vLLM where it has its compiled ops, else the project's harnesses over vLLM's fetched
    sources, ``--vllm-sources``); then once more between neighbours whose margin is thin, so
    the grid brackets every crossing;
-3. refine: the prefill route's configs searched again at each count it serves with a margin
-   under 10% (worst first, within ``--refine-budget-s``), each such count then running its own
-   best (a group size tuned at a power of two can straddle an expert's rows just above it) where
-   it is faster when measured again as the op runs it;
+3. refine: the prefill route's configs searched at each count it serves with a margin under
+   10% that step 1 did not search (worst first, within ``--refine-budget-s``), each such count
+   then running its own best (a group size tuned at a power of two can straddle an expert's rows
+   just above it) where it is faster when measured again as the op runs it;
 4. decide: the grouped window (the longest run of counts from 1 where the grouped op is the
    faster route), the plugin's route and time per count, the verdict (``tables.verdict``:
    admitted only if faster than every vLLM backend at every count).
@@ -303,14 +306,47 @@ def plausible_prefill(candidates: Sequence, M: int, shape: tables.Shape) -> list
     return [c for c in candidates if rows / 8 <= c.group_rows <= 4 * rows or c in near[:2]]
 
 
+def search_order(token_counts: Iterable[int]) -> List[int]:
+    """The order ``search`` visits ``token_counts`` in: the largest, the smallest, then again and
+    again the count nearest the middle (in log2 M) of the widest gap between counts already taken
+    (ties: the upper gap, the larger count). A budget that runs out then leaves the counts it did
+    not reach spread between searched ones, each near one whose best it can keep, not all at the
+    top, where the op's default config is at its worst and a search matters most."""
+    left = sorted(set(token_counts))
+    if len(left) <= 2:
+        return left[::-1]
+    order = [left.pop(), left.pop(0)]
+    while left:
+        taken = sorted(order)
+        gaps = [(math.log2(b) - math.log2(a), a, b) for a, b in zip(taken, taken[1:])
+                if any(a < m < b for m in left)]
+        _, a, b = max(gaps, key=lambda g: (g[0], g[1]))
+        middle = (math.log2(a) + math.log2(b)) / 2
+        pick = min((m for m in left if a < m < b), key=lambda m: (abs(math.log2(m) - middle), -m))
+        left.remove(pick)
+        order.append(pick)
+    return order
+
+
+def nearest_searched(M: int, searched: Iterable[int]) -> Optional[int]:
+    """The count of ``searched`` nearest ``M`` in log2 M (ties: the larger); None if there is none."""
+    return min(searched, key=lambda m: (abs(math.log2(m / M)), -m), default=None)
+
+
 def search(measure: Measurement, route: str, token_counts: Sequence[int], candidates: Sequence, progress: Progress,
-           deadline: float, log=print, always: Sequence = ()) -> Dict[int, object]:
+           deadline: float, log=print, always: Sequence = (), searched: Optional[set] = None) -> Dict[int, object]:
     """The fastest of ``candidates`` at each count (``route``: "grouped" or "prefill"), among
     those whose output on the first layer agrees with the prefill route's default config. A
-    config that cannot run at this shape is dropped from the rest of the search, said why. Past
-    ``deadline`` (time.time()) the search stops: the counts left keep the config the op would
-    run without this tune (another GPU's table, or the default), said so. ``always``: candidates
-    timed first at every count, whatever the prefill route's group-size filter says."""
+    config that cannot run at this shape is dropped from the rest of the search, said why.
+    ``always``: candidates timed first at every count, whatever the prefill route's group-size
+    filter says.
+
+    The counts are visited in ``search_order``. Past ``deadline`` (time.time()) the search stops:
+    each count it did not reach keeps the best of the searched count nearest it (in log2 M; that
+    config ran at this shape and agreed there), said so, for the op's default at a count it never
+    saw can be many times slower; only where no count was searched (or no candidate ran at the
+    count itself) does a count keep the config the op would run without this tune (another GPU's
+    table, or the default). ``searched``, if given, gets the counts actually searched."""
     import torch
 
     from ..kernels import config as kernel_config
@@ -321,8 +357,17 @@ def search(measure: Measurement, route: str, token_counts: Sequence[int], candid
     E, k, K, N, G = measure.spec.shape
     dtype = measure.layers[0].w13_scales.dtype
     best, broken = {}, set()
+    found: Dict[int, float] = {}  # searched count -> its best's time
+    rejected: Dict[int, set] = {}  # count -> configs that disagreed or did not run there
+    cut: List[int] = []  # counts the budget left without a timed config
+    every = list(dict.fromkeys(list(always) + list(candidates)))
     workspace = alloc_workspace(max(token_counts), k, K, N, measure.device) if route == "grouped" else None
-    for M in token_counts:
+    for M in search_order(token_counts):
+        if time.time() > deadline:  # nothing more is timed: skip the inputs and the reference too
+            for _ in every:
+                progress.step(f"search {route} M={M}")
+            cut.append(M)
+            continue
         ids, tws, xs = measure.inputs(M)
         outs = [torch.empty_like(x) for x in xs]
         want = torch.empty_like(xs[0])
@@ -330,7 +375,7 @@ def search(measure: Measurement, route: str, token_counts: Sequence[int], candid
         timed = []
         worth = plausible_prefill(candidates, M, measure.spec.shape) if route == "prefill" else list(candidates)
         worth += list(always)
-        for config in dict.fromkeys(list(always) + list(candidates)):
+        for config in every:
             progress.step(f"search {route} M={M}")
             if time.time() > deadline or config in broken or config not in worth:
                 continue
@@ -347,24 +392,40 @@ def search(measure: Measurement, route: str, token_counts: Sequence[int], candid
                 step(0)
             except Exception as error:  # a config this shape cannot take (too much shared memory, ...)
                 broken.add(config)
+                rejected.setdefault(M, set()).add(config)
                 log(f"[tune] {route}: {config} does not run at this shape: {type(error).__name__}: {error}"[:400])
                 continue
             diff = _scaled_diff(outs[0], want)
             if not diff <= SCALED_DIFF_BOUND[measure.spec.dtype]:
+                rejected.setdefault(M, set()).add(config)
                 log(f"[tune] {route} M={M}: {config} disagrees with the prefill route (scaled diff {diff:.1e}): dropped")
                 continue
             timed.append((measure.clock(step, measure.count(M), (route, M, config)), config))
         if timed:
-            us, best[M] = min(timed, key=lambda t: t[0])
-            log(f"[tune] {route} M={M}: {us:.2f} us/layer with {best[M]}")
+            found[M], best[M] = min(timed, key=lambda t: t[0])
+            log(f"[tune] {route} M={M}: {found[M]:.2f} us/layer with {best[M]}")
+        elif time.time() > deadline:
+            cut.append(M)
         else:
-            shape = measure.spec.shape
-            best[M] = (launch_choice(measure.device, shape, dtype, M, route="grouped").config if route == "grouped" else
-                       kernel_config.prefill_config(shape, device_name(measure.device), measure.spec.dtype, M))
-            log(f"[tune] {route} M={M}: not searched (budget spent or no candidate ran): keeps {best[M]}")
+            best[M] = None  # no candidate ran here: the op's own config, below
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return best
+    shape = measure.spec.shape
+    for M in sorted(set(token_counts) - set(found)):
+        # a neighbour's best only where it is not known to fail: dropped at this shape, or rejected here
+        usable = [m for m in found if best[m] not in broken and best[m] not in rejected.get(M, ())]
+        near = nearest_searched(M, usable) if M in cut else None
+        if near is not None:
+            best[M] = best[near]
+            log(f"[tune] {route} M={M}: not searched (budget spent): keeps M={near}'s best {best[M]}")
+            continue
+        best[M] = (launch_choice(measure.device, shape, dtype, M, route="grouped").config if route == "grouped" else
+                   kernel_config.prefill_config(shape, device_name(measure.device), measure.spec.dtype, M))
+        why = "budget spent, no searched count's best to keep" if M in cut else "no candidate ran"
+        log(f"[tune] {route} M={M}: not searched ({why}): keeps the op's own {best[M]}")
+    if searched is not None:
+        searched.update(found)
+    return {M: best[M] for M in sorted(best)}
 
 
 @dataclass
@@ -428,7 +489,9 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
     started = time.time()
     grouped_share = budget_s * len(grouped_search) / max(1, len(grouped_search) + len(prefill_search))
     best_grouped = search(measure, "grouped", grouped_search, grouped_candidates, progress, started + grouped_share, log)
-    best_prefill = search(measure, "prefill", prefill_search, prefill_candidates, progress, started + budget_s, log)
+    prefill_searched: set = set()
+    best_prefill = search(measure, "prefill", prefill_search, prefill_candidates, progress, started + budget_s, log,
+                          searched=prefill_searched)
 
     def table_of(timings: Dict[int, Timings]) -> tables.MeasuredTable:
         counts = sorted(timings)
@@ -450,21 +513,23 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
             timings.update(time_routes(measure, more, grouped_max, progress, missing))
     if refine and prefill_candidates:
         best_prefill = refine_prefill(measure, timings, best_prefill, prefill_candidates, table_of, progress,
-                                      time.time() + refine_budget_s, log)
+                                      time.time() + refine_budget_s, log, searched=prefill_searched)
     return table_of(timings), {"missing": missing, "timings": {m: dataclasses.asdict(t) for m, t in timings.items()}}
 
 
 def refine_prefill(measure: Measurement, timings: Dict[int, "Timings"], best: Dict[int, object],
                    candidates: Sequence, table_of: Callable, progress: Progress, deadline: float,
-                   log=print) -> Dict[int, object]:
+                   log=print, searched: Optional[Iterable[int]] = None) -> Dict[int, object]:
     """Step 3 of the module docstring: search the prefill route's configs at each count
     ``refine_counts`` names (until ``deadline``; the config it runs timed first), give each
     measured count its own entry and time the prefill route again where a count's config changed
     (``timings`` updated in place), keeping a change only where it is faster as the op runs it;
     returns the new entries. A count between two measured ones runs the upper one's config, as
-    everywhere in the tables: the grid brackets it, it is not itself timed."""
+    everywhere in the tables: the grid brackets it, it is not itself timed. ``searched``: the
+    counts the first search reached (default: ``best``'s); one it did not reach runs a
+    neighbour's best and is searched again here like any other, worst margin first."""
     routes = table_of(timings).routes
-    counts = refine_counts(routes.tokens, routes.routes, routes.speedups(), best)
+    counts = refine_counts(routes.tokens, routes.routes, routes.speedups(), best if searched is None else searched)
     if not counts:
         return best
     log(f"[tune] prefill configs searched again at {len(counts)} counts with a margin under "
