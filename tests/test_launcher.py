@@ -2,6 +2,8 @@
 whose dispatch is replaced by a recorder: which calls reach Triton's dispatch, which go straight
 to the binary, and with which arguments. The GPU tests of the ops run the real thing."""
 
+import os
+
 import pytest
 import torch
 import triton
@@ -164,16 +166,102 @@ def test_no_binary_no_cache(recorded, monkeypatch, returned):
     assert calls == [("triton",)] * 3
 
 
-def test_cache_starts_over_past_its_bound(recorded, monkeypatch):
+def test_the_least_recently_used_entry_goes_first(recorded, monkeypatch):
     launch, calls = recorded
     monkeypatch.setattr(launcher, "MAX_ENTRIES", 3)
     x, y = _tensors(8)
     for n in (16, 32, 48):
         launcher.run(launch, [x, y, n, None])
-    launcher.run(launch, [x, y, 16, None])
+    launcher.run(launch, [x, y, 16, None])  # used again: 32 is now the least recently used
     assert calls[-1][0] == "direct"
-    launcher.run(launch, [x, y, 64, None])  # the fourth entry: the cache starts over with it
+    launcher.run(launch, [x, y, 64, None])  # a fourth entry: 32's goes
+    assert calls[-1][0] == "triton"
+    for n, kind in ((16, "direct"), (48, "direct"), (64, "direct"), (32, "triton")):
+        launcher.run(launch, [x, y, n, None])
+        assert calls[-1][0] == kind, n
+
+
+def test_a_launch_whose_entries_are_all_dropped_is_let_go(recorded, monkeypatch):
+    launch, calls = recorded
+    other = Launch(name="k2", stage="sort", kernel=_kernel, grid=(1,), args=launch.args,
+                   constexprs=(("BLOCK", 16),), options=(("num_warps", 4),), max_shared_carveout=False)
+    monkeypatch.setattr(launcher, "MAX_ENTRIES", 2)
+    x, y = _tensors(9)
     launcher.run(launch, [x, y, 16, None])
-    assert [c[0] for c in calls[-2:]] == ["triton", "triton"]
-    launcher.run(launch, [x, y, 64, None])
-    assert calls[-1][0] == "direct"
+    launcher.run(other, [x, y, 16, None])
+    assert set(launcher._cached_launches) == {id(launch), id(other)}
+    launcher.run(other, [x, y, 32, None])  # drops launch's only entry
+    assert set(launcher._cached_launches) == {id(other)} and launcher._cached_launches[id(other)][1] == 2
+
+
+def test_arguments_triton_specializes_otherwise_are_not_cached(recorded):
+    """A tuple (or a tensor descriptor) is not among the kinds the key describes."""
+    launch, calls = recorded
+    x, y = _tensors(10)
+    for _ in range(3):
+        launcher.run(launch, [x, y, 17, (1, 2)])
+    assert [c[0] for c in calls] == ["triton"] * 3 and not launcher._entries
+
+
+def test_a_kernel_that_is_not_a_jit_function_is_not_cached(recorded, monkeypatch):
+    """An autotuner or heuristics wrapper picks its binary per call: Triton's dispatch keeps it."""
+    launch, calls = recorded
+
+    class Wrapper:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: (calls.append(("triton",)), _Compiled(calls, None))[1]
+
+    wrapped = Launch(name="w", stage="sort", kernel=Wrapper(), grid=(1,), args=launch.args, constexprs=(),
+                     options=(), max_shared_carveout=False)
+    x, y = _tensors(11)
+    for _ in range(3):
+        launcher.run(wrapped, [x, y, 17, None])
+    assert calls == [("triton",)] * 3 and not launcher._entries
+
+
+def _plans():
+    import dataclasses
+
+    from moe_grouped_decode.kernels import plan
+    from moe_grouped_decode.kernels.config import GroupedConfig, PrefillConfig
+
+    grouped = [GroupedConfig(), GroupedConfig(w13_kernel="tl", w2_kernel="gluon", max_shared_carveout=True),
+               GroupedConfig(w13_over_groups=True, w2_kernel="gluon"), GroupedConfig(fused_combine=False)]
+    prefill = [PrefillConfig(), PrefillConfig(kernel="dot", block_rows=32, w13_block_k=32),
+               PrefillConfig(kernel="wgmma", block_rows=64, w13_block_k=64)]
+    plans = []
+    for config, capability in ((c, cap) for c in grouped for cap in ((9, 0), (8, 0))):
+        plans.append(plan.grouped_plan(4, 8, 2560, 192, 32, torch.float16, capability, config.fitted(2560),
+                                       num_experts=128, check_ids=True))
+    plans += [plan.prefill_plan(300, 8, 128, 2560, 192, 32, torch.float16, (9, 0), c) for c in prefill]
+    assert all(dataclasses.is_dataclass(p) for p in plans)
+    return plans
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter's kernels are never cached")
+def test_every_plan_launch_passes_what_tritons_binder_passes():
+    """The runtime arguments and ``every_argument_after`` are, for every kernel the plans launch,
+    the argument list Triton's own binder gives its compiled kernel's runner."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    from moe_grouped_decode.kernels.plan import ARGUMENT_TYPES
+
+    tensor = torch.zeros(64, dtype=torch.float16)
+    values = {name: 7 if kind == "i32" else tensor for name, kind in ARGUMENT_TYPES.items()}
+    values.update(id_flag=None, w13_stamps=None, w2_stamps=None)
+    kernels = set()
+    for plan in _plans():
+        for launch in plan.launches:
+            assert isinstance(launch.kernel, JITFunction), launch.name
+            args = [values[name] for name in launch.args]
+            binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, CUDABackend)
+            bound, _, _ = binder(*args, **dict(launch.constexprs), **dict(launch.options), debug=False,
+                                 instrumentation_mode="")
+            mine = list(args) + list(launcher.every_argument_after(launch, args))
+            theirs = list(bound.values())
+            assert len(mine) == len(theirs), launch.name
+            for a, b in zip(mine, theirs):
+                assert a is b or (type(a) is type(b) and a == b), launch.name
+            kernels.add(launch.name)
+    assert len(kernels) == 17, kernels  # both routes' kernels, the Gluon ones among them

@@ -12,27 +12,34 @@ which a ``Launch`` fixes. The cache here keys on something finer: the ``Launch``
 current device, each tensor's dtype and alignment, and every other argument's type and exact
 value. A hit is therefore an argument list Triton would have given the same binary, and it is
 launched the way Triton launches it (the compiled kernel's own runner: the current stream, the
-launch hooks). Triton's debug and instrumentation knobs, read per launch by its dispatch, are
-not part of the key: a binary compiled before one is set keeps running.
+launch hooks). Not part of the key, as they cost host time to read: Triton's debug and
+instrumentation knobs (a binary compiled before one is set keeps running) and the module
+globals a kernel reads (Triton refuses a changed one; the kernels here read constants only).
 
-Only compiled kernels are cached: under ``TRITON_INTERPRET=1`` every launch goes through
-Triton, as does any kernel with pre-run hooks or of a Triton whose compiled kernels lack the
-runner this relies on.
+Only compiled ``JITFunction`` launches over tensors, ints, floats, bools and None are cached:
+under ``TRITON_INTERPRET=1`` every launch goes through Triton, as does any kernel with pre-run
+hooks or of a Triton whose compiled kernels lack the runner this relies on. The cache keeps the
+most recently used ``MAX_ENTRIES`` (a prefill plan per token count, seven launches each).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, Sequence, Tuple
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from triton.runtime.jit import JITFunction
 
 ENABLED = True  # tests switch the cache off to compare against Triton's own dispatch
-MAX_ENTRIES = 4096  # distinct (launch, specialization) pairs kept; past it the cache starts over
+MAX_ENTRIES = 8192  # (launch, specialization) pairs kept, the least recently used dropped first
+_PLAIN = (torch.Tensor, int, float, bool, type(None))
 
-# key -> (the Launch, its compiled kernel, runner, the constexprs and defaults after the runtime arguments)
-_entries: Dict[Tuple, Tuple[Any, Any, Any, Tuple]] = {}
-_cached_launches: Dict[int, Any] = {}  # id -> Launch, for those with an entry (holding them keeps ids unique)
+# key -> (the Launch, its compiled kernel, runner, the constexprs and defaults after the runtime
+# arguments), least recently used first
+_entries: "OrderedDict[Tuple, Tuple[Any, Any, Any, Tuple]]" = OrderedDict()
+# id -> [Launch, its entries], for the launches with an entry (holding them keeps their ids unique)
+_cached_launches: Dict[int, List] = {}
 
 
 def _current_device() -> int:
@@ -52,12 +59,14 @@ def run(launch, args: Sequence):
         key = _key(launch, args)
         entry = _entries.get(key)
         if entry is not None:
+            _entries.move_to_end(key)
             entry[2](*args, *entry[3])
             return entry[1]
     else:
         key = None
     compiled = launch.kernel[launch.grid](*args, **dict(launch.constexprs), **dict(launch.options))
-    if ENABLED and _launches_directly(compiled) and not launch.kernel.pre_run_hooks:
+    if (ENABLED and isinstance(launch.kernel, JITFunction) and not launch.kernel.pre_run_hooks
+            and _launches_directly(compiled) and all(isinstance(arg, _PLAIN) for arg in args)):
         _remember(key if key is not None else _key(launch, args), launch, compiled, args)
     return compiled
 
@@ -67,20 +76,31 @@ def _launches_directly(compiled) -> bool:
             and all(hasattr(compiled, name) for name in ("function", "run", "packed_metadata", "launch_metadata")))
 
 
-def _remember(key: Tuple, launch, compiled, args: Sequence) -> None:
+def every_argument_after(launch, args: Sequence) -> Optional[Tuple]:
+    """The kernel's parameters after its runtime ``args``, as Triton binds them (the launch's
+    constexprs, the defaults); None where the signature does not take them so."""
     try:
         signature = getattr(launch.kernel, "signature", None) or inspect.signature(launch.kernel.fn)
         bound = signature.bind(*args, **dict(launch.constexprs))
-    except (TypeError, AttributeError, ValueError):  # not this Triton's calling convention: keep Triton's dispatch
-        return
+    except (TypeError, AttributeError, ValueError):
+        return None
     bound.apply_defaults()
-    tail = tuple(bound.arguments.values())[len(args):]
-    if len(_entries) >= MAX_ENTRIES:
-        _entries.clear()
-        _cached_launches.clear()
+    return tuple(bound.arguments.values())[len(args):]
+
+
+def _remember(key: Tuple, launch, compiled, args: Sequence) -> None:
+    tail = every_argument_after(launch, args)
+    if tail is None:  # not this Triton's calling convention: keep Triton's dispatch
+        return
+    while len(_entries) >= MAX_ENTRIES:
+        _, (dropped, *_) = _entries.popitem(last=False)
+        held = _cached_launches[id(dropped)]
+        held[1] -= 1
+        if not held[1]:
+            del _cached_launches[id(dropped)]
     grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
     _entries[key] = (launch, compiled, compiled[grid], tail)
-    _cached_launches[id(launch)] = launch
+    _cached_launches.setdefault(id(launch), [launch, 0])[1] += 1
 
 
 def clear() -> None:
