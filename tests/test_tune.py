@@ -194,7 +194,8 @@ def test_the_search_visits_both_ends_then_splits_the_widest_gap(counts, order):
 def test_the_nearest_searched_count_is_nearest_in_log2_ties_to_the_larger():
     assert tune.nearest_searched(512, [256, 2048, 16384]) == 256
     assert tune.nearest_searched(1024, [256, 2048, 16384]) == 2048
-    assert tune.nearest_searched(2048, [256, 16384]) == 16384  # three doublings either way
+    assert tune.nearest_searched(2048, [256, 16384]) is None  # three doublings either way: too far
+    assert tune.nearest_searched(2048, [512, 16384]) == 512  # two doublings: the furthest kept
     assert tune.nearest_searched(4, [1, 16]) == 16
     assert tune.nearest_searched(4, []) is None
 
@@ -301,6 +302,23 @@ def test_a_grouped_count_the_budget_leaves_keeps_its_neighbours_candidate_as_the
     assert set(fake.grouped) == {c.fitted(NEW_SHAPE[2]) for c in candidates}
     assert "[tune] grouped M=4: not searched (budget spent): keeps M=16's best " + str(candidates[4]) in fake.log
     assert "[tune] grouped M=64: not searched (budget spent): keeps M=128's best " + str(candidates[7]) in fake.log
+
+
+def test_a_far_or_ill_fitting_neighbours_best_is_not_kept(monkeypatch):
+    """Only 16384 searched: counts more than two doublings away keep the op's own config, and
+    so does 8192 (one doubling), where 16384's 128-row groups would not suit its rows."""
+    from moe_grouped_decode.kernels.config import PrefillConfig, prefill_config
+
+    wide = PrefillConfig(kernel="wgmma", block_rows=128, w13_block_k=64, w13_stages=3, w2_stages=4)
+    shape = (2048, 4, 1024, 512, 128)  # an expert has M * 4 / 2048 rows: 16 at 8192, 32 at 16384
+    fake = FakeSearch(monkeypatch, shape, lambda M, config: 100.0)
+    kept = fake.search("prefill", tune.PREFILL_SEARCH_TOKENS, [wide], timings=1)
+    assert {M for M, _ in fake.timed} == {16384} and kept[16384] is wide
+    for M in (256, 512, 1024, 2048, 8192):
+        assert kept[M] == prefill_config(shape, "cpu", "fp16", M), M
+        assert any(line.startswith(f"[tune] prefill M={M}: not searched (budget spent, no searched count's best")
+                   for line in fake.log), (M, fake.log)
+    assert not tune.group_rows_fit(wide, 8192, shape) and tune.group_rows_fit(wide, 16384, shape)
 
 
 def test_with_nothing_searched_a_count_keeps_the_ops_own_config(monkeypatch):

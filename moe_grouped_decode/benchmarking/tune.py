@@ -296,14 +296,24 @@ def plausible_prefill(candidates: Sequence, M: int, shape: tables.Shape) -> list
     """The prefill candidates worth timing at ``M``: groups of rows from an eighth to four times
     the rows an active expert has on average (smaller ones dequantize its weights too often,
     larger ones are mostly padding), at least the two nearest to it."""
-    E, k = shape[:2]
-    rows = max(1.0, M * k / min(E, M * k))
+    rows = _rows_an_expert_has(M, shape)
 
     def distance(config) -> float:
         return abs(math.log2(config.group_rows / rows))
 
     near = sorted(candidates, key=distance)
-    return [c for c in candidates if rows / 8 <= c.group_rows <= 4 * rows or c in near[:2]]
+    return [c for c in candidates if group_rows_fit(c, M, shape) or c in near[:2]]
+
+
+def _rows_an_expert_has(M: int, shape: tables.Shape) -> float:
+    E, k = shape[:2]
+    return max(1.0, M * k / min(E, M * k))
+
+
+def group_rows_fit(config, M: int, shape: tables.Shape) -> bool:
+    """A prefill config's groups span an eighth to four times the rows an active expert has at ``M``."""
+    rows = _rows_an_expert_has(M, shape)
+    return rows / 8 <= config.group_rows <= 4 * rows
 
 
 def search_order(token_counts: Iterable[int]) -> List[int]:
@@ -328,9 +338,15 @@ def search_order(token_counts: Iterable[int]) -> List[int]:
     return order
 
 
+# a count the budget leaves keeps a searched count's best only within this many doublings of it
+FALLBACK_DOUBLINGS = 2
+
+
 def nearest_searched(M: int, searched: Iterable[int]) -> Optional[int]:
-    """The count of ``searched`` nearest ``M`` in log2 M (ties: the larger); None if there is none."""
-    return min(searched, key=lambda m: (abs(math.log2(m / M)), -m), default=None)
+    """The count of ``searched`` nearest ``M`` in log2 M (ties: the larger) within
+    ``FALLBACK_DOUBLINGS``; None if there is none."""
+    near = [m for m in searched if abs(math.log2(m / M)) <= FALLBACK_DOUBLINGS]
+    return min(near, key=lambda m: (abs(math.log2(m / M)), -m), default=None)
 
 
 def search(measure: Measurement, route: str, token_counts: Sequence[int], candidates: Sequence, progress: Progress,
@@ -342,11 +358,12 @@ def search(measure: Measurement, route: str, token_counts: Sequence[int], candid
     filter says.
 
     The counts are visited in ``search_order``. Past ``deadline`` (time.time()) the search stops:
-    each count it did not reach keeps the best of the searched count nearest it (in log2 M; that
+    each count it did not reach keeps the best of the searched count nearest it (in log2 M, at
+    most ``FALLBACK_DOUBLINGS`` away; on the prefill route one whose groups suit this count; that
     config ran at this shape and agreed there), said so, for the op's default at a count it never
-    saw can be many times slower; only where no count was searched (or no candidate ran at the
-    count itself) does a count keep the config the op would run without this tune (another GPU's
-    table, or the default). ``searched``, if given, gets the counts actually searched."""
+    saw can be many times slower; only where no such count was searched (or no candidate ran at
+    the count itself) does a count keep the config the op would run without this tune (another
+    GPU's table, or the default). ``searched``, if given, gets the counts actually searched."""
     import torch
 
     from ..kernels import config as kernel_config
@@ -412,8 +429,10 @@ def search(measure: Measurement, route: str, token_counts: Sequence[int], candid
             torch.cuda.empty_cache()
     shape = measure.spec.shape
     for M in sorted(set(token_counts) - set(found)):
-        # a neighbour's best only where it is not known to fail: dropped at this shape, or rejected here
-        usable = [m for m in found if best[m] not in broken and best[m] not in rejected.get(M, ())]
+        # a neighbour's best only where it is not known to fail (dropped at this shape, or rejected
+        # here) and, on the prefill route, where its groups suit this count's rows an expert
+        usable = [m for m in found if best[m] not in broken and best[m] not in rejected.get(M, ())
+                  and (route == "grouped" or group_rows_fit(best[m], M, shape))]
         near = nearest_searched(M, usable) if M in cut else None
         if near is not None:
             best[M] = best[near]
