@@ -393,8 +393,11 @@ def test_shape_options(e2e, tmp_path):
     assert (spec.moe_shape, spec.num_attention_heads, spec.num_key_value_heads) == ((128, 8, 2048, 768, 128), 32, 4)
     lite = e2e.parse_args(["--out", str(tmp_path), "--architecture", "deepseek_v2", "--shape", "64,6,2048,1408,128",
                            "--heads", "16", "--layers", "27"])
-    assert lite.name == "64x6x2048x1408x128"
-    assert lite.checkpoint == "/tmp/moe_gd_e2e/64x6x2048x1408x128-deepseek_v2-27l-float16-s0"
+    assert lite.name == "deepseek-v2-lite"
+    assert lite.checkpoint == "/tmp/moe_gd_e2e/deepseek-v2-lite-deepseek_v2-27l-float16-s0"
+    unmeasured = e2e.parse_args(["--out", str(tmp_path), "--shape", "64,6,2048,1024,128"])
+    assert unmeasured.name == "64x6x2048x1024x128"
+    assert unmeasured.checkpoint == "/tmp/moe_gd_e2e/64x6x2048x1024x128-qwen3_moe-48l-float16-s0"
     spec = e2e.model_spec(lite)
     assert (spec.architecture, spec.moe_shape, spec.num_layers, spec.n_shared_experts, spec.first_k_dense_replace,
             spec.num_attention_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank, spec.intermediate_size) == (
