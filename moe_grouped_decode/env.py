@@ -25,6 +25,11 @@
     ``1``: every token's output bits are the same whatever M and whatever other tokens share
     the call: admitted layers run one route (the prefill route) under one launch config at
     every M. Unset: follows vLLM's ``VLLM_BATCH_INVARIANT``. ``0``: off even when vLLM's is on.
+``MOE_GROUPED_DECODE_DIRECT_LAUNCH``
+    unset or ``1``: after the first launch of each kernel specialization, the CUDA launches go
+    straight to the binary Triton chose (``kernels/launcher.py``: less host time per eager call).
+    ``0``: every launch through Triton's own dispatch (the rollback). Read when the kernels are
+    imported.
 ``MOE_GROUPED_DECODE_CHECK_IDS``
     ``1``: debug mode for routing ids: the CUDA kernels set a device flag when a routed id is
     outside [0, E) (such a slot still contributes nothing), and every eager call of the ops
@@ -195,3 +200,12 @@ def check_ids() -> bool:
     """Debug mode: the kernels flag routed ids outside [0, E) on the device (module docstring)."""
     raw = _raw(CHECK_IDS_ENV)
     return False if raw is None else _to_bool(CHECK_IDS_ENV, raw)
+
+
+DIRECT_LAUNCH_ENV = "MOE_GROUPED_DECODE_DIRECT_LAUNCH"
+
+
+def direct_launch() -> bool:
+    """Whether launches after a specialization's first skip Triton's dispatch (module docstring)."""
+    raw = _raw(DIRECT_LAUNCH_ENV)
+    return True if raw is None else _to_bool(DIRECT_LAUNCH_ENV, raw)

@@ -265,3 +265,25 @@ def test_every_plan_launch_passes_what_tritons_binder_passes():
                 assert a is b or (type(a) is type(b) and a == b), launch.name
             kernels.add(launch.name)
     assert len(kernels) == 17, kernels  # both routes' kernels, the Gluon ones among them
+
+
+@pytest.mark.parametrize("value,enabled", [(None, True), ("1", True), ("0", False), ("off", False)])
+def test_the_rollback_switch_is_read_when_the_kernels_are_imported(value, enabled):
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k != "MOE_GROUPED_DECODE_DIRECT_LAUNCH"}
+    if value is not None:
+        environ["MOE_GROUPED_DECODE_DIRECT_LAUNCH"] = value
+    code = "from moe_grouped_decode.kernels import launcher; print(launcher.ENABLED)"
+    result = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == str(enabled)
+
+
+def test_an_unknown_rollback_value_is_an_error(monkeypatch):
+    from moe_grouped_decode import env
+
+    monkeypatch.setenv("MOE_GROUPED_DECODE_DIRECT_LAUNCH", "maybe")
+    with pytest.raises(ValueError, match="MOE_GROUPED_DECODE_DIRECT_LAUNCH"):
+        env.direct_launch()

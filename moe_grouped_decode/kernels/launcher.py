@@ -20,6 +20,7 @@ Only compiled ``JITFunction`` launches over tensors, ints, floats, bools and Non
 under ``TRITON_INTERPRET=1`` every launch goes through Triton, as does any kernel with pre-run
 hooks or of a Triton whose compiled kernels lack the runner this relies on. The cache keeps the
 most recently used ``MAX_ENTRIES`` (a prefill plan per token count, seven launches each).
+``MOE_GROUPED_DECODE_DIRECT_LAUNCH=0`` keeps Triton's dispatch for every launch.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from triton.runtime.jit import JITFunction
 
-ENABLED = True  # tests switch the cache off to compare against Triton's own dispatch
+from .. import env
+
+ENABLED = env.direct_launch()  # MOE_GROUPED_DECODE_DIRECT_LAUNCH=0: Triton's dispatch for every launch
 MAX_ENTRIES = 8192  # (launch, specialization) pairs kept, the least recently used dropped first
 _PLAIN = (torch.Tensor, int, float, bool, type(None))
 
