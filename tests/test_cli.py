@@ -79,3 +79,24 @@ def test_register_without_vllm_says_what_to_do():
     kind, name, newlines, message = proc.stdout.strip().split("|")
     assert (kind, name, newlines) == ("ModuleNotFoundError", "vllm", "0")
     assert "register()" in message and "pip install vllm" in message and "import moe_grouped_decode" in message
+
+
+def test_bench_times_the_layer_shape_names():
+    """``bench --shape``: a shape with a registered contract runs under it, any other under its numbers."""
+    import argparse
+
+    import torch
+
+    from moe_grouped_decode.benchmarking.bench import layer_of, rotated_layers
+    from moe_grouped_decode.contract import QWEN38_TP4, registered_contracts
+
+    assert layer_of(argparse.Namespace(shape=None)) is QWEN38_TP4
+    measured = next(c for c in registered_contracts() if c is not QWEN38_TP4)
+    assert layer_of(argparse.Namespace(shape=",".join(map(str, measured.shape)))) is measured
+    other = layer_of(argparse.Namespace(shape="8,2,64,32,32"))
+    assert other.name == "8x2x64x32x32" and other.shape == (8, 2, 64, 32, 32)
+    with pytest.raises(SystemExit, match="E,k,K,N,G"):
+        layer_of(argparse.Namespace(shape="8,2,64"))
+    layers = rotated_layers(2, torch.float16, "cpu", other.shape)
+    assert [tuple(w.w13_qweight.shape) for w in layers] == [(8, 64, 2 * 32 // 8)] * 2
+    assert not torch.equal(layers[0].w13_qweight, layers[1].w13_qweight)  # distinct weights per layer

@@ -1,6 +1,7 @@
 """``python -m moe_grouped_decode bench``: per-layer microseconds at every token count, beside vLLM's own.
 
-One CUDA graph per (column, M) runs ``--layers`` MoE layers with distinct weights (and their
+The layer is qwen3.8-tp4's unless ``--shape E,k,K,N,G`` names another. One CUDA graph per
+(column, M) runs ``--layers`` MoE layers with distinct weights (and their
 own random routing and activations) back to back, so the 60 MB L2 of an H200 stays cold as in a
 real model step; the time per layer is the graph's replay time over the layer count (median of
 ``--reps`` replays). From M = ``--large-from`` tokens on every layer reads all of its experts
@@ -39,7 +40,7 @@ import torch
 
 from .. import env
 from ..awq import synthetic_moe_weights
-from ..contract import QWEN38_TP4
+from ..contract import QWEN38_TP4, ShapeContract, registered_contracts
 from ..kernels import device_facts
 from ..kernels.lookup import launch_choice
 from .replay import graph_replay_us
@@ -58,12 +59,26 @@ def _random_routing(M: int, top_k: int, E: int, gen: torch.Generator):
     return ids, tw / tw.sum(1, keepdim=True)
 
 
-def rotated_layers(count: int, dtype, device):
-    """``count`` qwen3.8-tp4 layers of distinct synthetic weights (seeds 1000 + i), the layers every
-    benchmark rotates through one CUDA graph so that L2 stays cold."""
-    c = QWEN38_TP4
-    return [synthetic_moe_weights(c.num_experts, c.hidden_size, c.intermediate_size, c.group_size, dtype=dtype,
-                                  seed=1000 + i, device=device) for i in range(count)]
+def rotated_layers(count: int, dtype, device, shape=QWEN38_TP4.shape):
+    """``count`` layers of ``shape`` (E, k, K, N, G; qwen3.8-tp4's by default) of distinct synthetic
+    weights (seeds 1000 + i), the layers every benchmark rotates through one CUDA graph so that L2
+    stays cold."""
+    E, _, K, N, G = shape
+    return [synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=1000 + i, device=device) for i in range(count)]
+
+
+def layer_of(args) -> ShapeContract:
+    """The layer ``--shape`` names: the contract registered for it (qwen3.8-tp4 by default), or an
+    unregistered one named by its numbers (only its sizes are read here)."""
+    if not getattr(args, "shape", None):
+        return QWEN38_TP4
+    shape = tuple(int(v) for v in args.shape.split(","))
+    if len(shape) != 5:
+        raise SystemExit(f"bench: --shape takes E,k,K,N,G, got {args.shape!r}")
+    for contract in registered_contracts():
+        if contract.shape == shape:
+            return contract
+    return ShapeContract("x".join(map(str, shape)), *shape, min_tokens=1, max_tokens=1)
 
 
 def random_layer_inputs(M: int, top_k: int, E: int, K: int, count: int, dtype, device, gen: torch.Generator):
@@ -108,13 +123,13 @@ def run(args) -> Dict:
     from .read_floor import Compaction, floor2, floor_blocks, read_active_experts
 
     dtype = DTYPES[args.dtype]
-    c = QWEN38_TP4
+    c = layer_of(args)
     E, k, K, N = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size
     device = torch.device("cuda")
     t0 = time.time()
     tokens = sorted({int(m) for m in args.tokens.split(",") if m})
     print(f"[bench] generating {args.layers} layers of {c.name} weights on the GPU ...", flush=True)
-    layers = rotated_layers(args.layers, dtype, device)
+    layers = rotated_layers(args.layers, dtype, device, c.shape)
     per_expert = _expert_bytes(layers[0])
     grouped_tokens = [M for M in tokens if M <= args.grouped_max]
     workspace = alloc_workspace(max(grouped_tokens), k, K, N, device) if grouped_tokens else None
@@ -183,7 +198,9 @@ def run(args) -> Dict:
         "prefill_breakdown": prefill_breakdown,
         "breakdown": breakdown,
         "contract": c.name,
-        "grouped_window": [c.min_tokens, c.max_tokens],
+        # the counts measured here that the lookup sends to the grouped route
+        "grouped_window": ([min(grouped), max(grouped)] if (grouped := [r["M"] for r in rows if r["route"] == "grouped"])
+                           else None),
         "dtype": args.dtype,
         "layers_rotated": args.layers,
         "large_layers": {"from_M": args.large_from, "layers": args.large_layers},
@@ -205,7 +222,7 @@ def _time_configs(tag: str, M: int, count: int, layers, gen, args, configs, laun
     """``launch(x, topk_weights, topk_ids, weights, out, config)`` for each of ``configs`` at M,
     timed the bench's way over ``count`` layers; each config's output on the first layer against
     the prefill route's (the op's ``awq_moe_dense``), as scaled max diff. Printed fastest first."""
-    c = QWEN38_TP4
+    c = layer_of(args)
     ids, tws, xs = random_layer_inputs(M, c.top_k, c.num_experts, c.hidden_size, count, layers[0].dtype,
                                        torch.device("cuda"), gen)
     outs = [torch.empty_like(x) for x in xs]
@@ -234,7 +251,7 @@ def _sweep(args, layers, workspace, gen) -> List[Dict]:
     from ..ops import launch_grouped
 
     facts = device_facts(torch.device("cuda"))
-    configs = [candidate.fitted(QWEN38_TP4.hidden_size)
+    configs = [candidate.fitted(layer_of(args).hidden_size)
                for candidate in kernel_config.grouped_candidates(facts.capability, plan.kernel_family(facts))]
 
     def launch(x, tw, ids, weights, out, config):
@@ -253,7 +270,7 @@ def _breakdown(args, layers, workspace, gen) -> List[Dict]:
     last."""
     from ..ops import grouped_plan_for, launch_grouped
 
-    c = QWEN38_TP4
+    c = layer_of(args)
     device = torch.device("cuda")
     results = []
     for M in [int(m) for m in args.breakdown.split(",")]:
@@ -322,7 +339,7 @@ def _prefill_sweep(args, layers, gen) -> List[Dict]:
     configs = (list(prefill_candidates()) if args.prefill_configs == "candidates"
                else parse_prefill_configs(args.prefill_configs))
     count = min(args.layers, args.large_layers)
-    c = QWEN38_TP4
+    c = layer_of(args)
     device = torch.device("cuda")
     results = []
     for M in (int(m) for m in args.prefill_sweep.split(",")):
@@ -356,7 +373,7 @@ def _prefill_breakdown(args, layers, gen) -> List[Dict]:
     method; a stage's time is the difference to the run before it."""
     from ..ops import prefill_plan_for
 
-    c = QWEN38_TP4
+    c = layer_of(args)
     device = torch.device("cuda")
     results = []
     for M in [int(m) for m in args.prefill_breakdown.split(",")]:
@@ -398,8 +415,9 @@ def markdown(result: Dict) -> str:
     lines = [
         f"{result['contract']} {result['dtype']}, {result['gpu']}, torch {result['torch']}, triton {result['triton']}; "
         f"us per layer (median of CUDA-graph replays), {result['layers_rotated']} layers of distinct weights rotated "
-        f"(from M = {large['from_M']} on, {large['layers']}: every layer reads all of its experts there); grouped "
-        f"window {result['grouped_window'][0]}..{result['grouped_window'][1]}"
+        f"(from M = {large['from_M']} on, {large['layers']}: every layer reads all of its experts there); "
+        + (f"grouped route at the measured M from {result['grouped_window'][0]} to {result['grouped_window'][1]}"
+           if result["grouped_window"] else "no grouped route at the measured M")
         + ("; batch-invariant mode (the prefill route, one config, at every M)" if result.get("batch_invariant") else "")
         + "; vLLM's backends: "
         + ", ".join(f"{name} {status}" for name, status in result["vllm_backends"].items()),
@@ -460,6 +478,8 @@ def plot(result: Dict, path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_grouped_decode bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default=None, help="E,k,K,N,G: the layer timed (default: qwen3.8-tp4's "
+                        "512,10,2560,160,32); the plugin's routes and configs as the lookup gives them on this GPU")
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,160,192,224,256,320,384,512,1024,2048,4096,8192",
                         help="token counts (every column at each; 128..384 finely, where the routes and vLLM's "
                         "backends cross)")
