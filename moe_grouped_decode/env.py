@@ -28,8 +28,8 @@
 ``MOE_GROUPED_DECODE_DIRECT_LAUNCH``
     unset or ``1``: after the first launch of each kernel specialization, the CUDA launches go
     straight to the binary Triton chose (``kernels/launcher.py``: less host time per eager call).
-    ``0``: every launch through Triton's own dispatch (the rollback). Read when the kernels are
-    imported.
+    ``0``: every launch through Triton's own dispatch (the rollback). Read once, at the first
+    launch (and parsed at the vLLM plugin's startup).
 ``MOE_GROUPED_DECODE_CHECK_IDS``
     ``1``: debug mode for routing ids: the CUDA kernels set a device flag when a routed id is
     outside [0, E) (such a slot still contributes nothing), and every eager call of the ops

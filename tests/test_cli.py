@@ -91,12 +91,13 @@ def test_bench_times_the_layer_shape_names():
     from moe_grouped_decode.contract import QWEN38_TP4, registered_contracts
 
     assert layer_of(argparse.Namespace(shape=None)) is QWEN38_TP4
-    measured = next(c for c in registered_contracts() if c is not QWEN38_TP4)
-    assert layer_of(argparse.Namespace(shape=",".join(map(str, measured.shape)))) is measured
-    other = layer_of(argparse.Namespace(shape="8,2,64,32,32"))
+    measured = next(c for c in registered_contracts() if c is not QWEN38_TP4 and torch.float16 in c.dtypes)
+    assert layer_of(argparse.Namespace(shape=",".join(map(str, measured.shape)), dtype="fp16")) is measured
+    other = layer_of(argparse.Namespace(shape="8,2,64,32,32", dtype="fp16"))
     assert other.name == "8x2x64x32x32" and other.shape == (8, 2, 64, 32, 32)
-    with pytest.raises(SystemExit, match="E,k,K,N,G"):
-        layer_of(argparse.Namespace(shape="8,2,64"))
+    for bad in ("8,2,64", "8,2,64,32,x", "8,2,64,32,0"):
+        with pytest.raises(SystemExit, match="E,k,K,N,G"):
+            layer_of(argparse.Namespace(shape=bad, dtype="fp16"))
     layers = rotated_layers(2, torch.float16, "cpu", other.shape)
     assert [tuple(w.w13_qweight.shape) for w in layers] == [(8, 64, 2 * 32 // 8)] * 2
     assert not torch.equal(layers[0].w13_qweight, layers[1].w13_qweight)  # distinct weights per layer

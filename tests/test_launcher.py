@@ -268,22 +268,35 @@ def test_every_plan_launch_passes_what_tritons_binder_passes():
 
 
 @pytest.mark.parametrize("value,enabled", [(None, True), ("1", True), ("0", False), ("off", False)])
-def test_the_rollback_switch_is_read_when_the_kernels_are_imported(value, enabled):
+def test_the_rollback_switch_is_read_once_at_the_first_launch(monkeypatch, value, enabled):
+    from moe_grouped_decode import env
+
+    monkeypatch.setattr(launcher, "ENABLED", None)
+    if value is None:
+        monkeypatch.delenv(env.DIRECT_LAUNCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(env.DIRECT_LAUNCH_ENV, value)
+    assert launcher.enabled() is enabled
+    monkeypatch.setenv(env.DIRECT_LAUNCH_ENV, "1" if not enabled else "0")
+    assert launcher.enabled() is enabled  # once read, kept
+
+
+def test_an_unknown_rollback_value_fails_at_startup_not_at_import(monkeypatch):
+    """The package imports (the ops, the CLI); the vLLM plugin's startup check and the first
+    launch say what is wrong."""
     import subprocess
     import sys
 
-    environ = {k: v for k, v in os.environ.items() if k != "MOE_GROUPED_DECODE_DIRECT_LAUNCH"}
-    if value is not None:
-        environ["MOE_GROUPED_DECODE_DIRECT_LAUNCH"] = value
-    code = "from moe_grouped_decode.kernels import launcher; print(launcher.ENABLED)"
-    result = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == str(enabled)
-
-
-def test_an_unknown_rollback_value_is_an_error(monkeypatch):
     from moe_grouped_decode import env
+    from moe_grouped_decode.compile_plugin.startup import check_switch
 
-    monkeypatch.setenv("MOE_GROUPED_DECODE_DIRECT_LAUNCH", "maybe")
+    environ = dict(os.environ, MOE_GROUPED_DECODE_DIRECT_LAUNCH="maybe")
+    code = "import moe_grouped_decode.kernels.launcher as l; print(l.ENABLED)"
+    result = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "None", result.stderr[-2000:]
+    monkeypatch.setenv(env.DIRECT_LAUNCH_ENV, "maybe")
+    monkeypatch.setattr(launcher, "ENABLED", None)
     with pytest.raises(ValueError, match="MOE_GROUPED_DECODE_DIRECT_LAUNCH"):
-        env.direct_launch()
+        check_switch("cpu")
+    with pytest.raises(ValueError, match="MOE_GROUPED_DECODE_DIRECT_LAUNCH"):
+        launcher.enabled()

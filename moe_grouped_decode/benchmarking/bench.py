@@ -40,7 +40,7 @@ import torch
 
 from .. import env
 from ..awq import synthetic_moe_weights
-from ..contract import QWEN38_TP4, ShapeContract, registered_contracts
+from ..contract import QWEN38_TP4, LayerShape, ShapeContract, admits, apply_tables
 from ..kernels import device_facts
 from ..kernels.lookup import launch_choice
 from .replay import graph_replay_us
@@ -68,17 +68,19 @@ def rotated_layers(count: int, dtype, device, shape=QWEN38_TP4.shape):
 
 
 def layer_of(args) -> ShapeContract:
-    """The layer ``--shape`` names: the contract registered for it (qwen3.8-tp4 by default), or an
-    unregistered one named by its numbers (only its sizes are read here)."""
+    """The layer ``--shape`` names: the contract that admits it in ``--dtype`` (qwen3.8-tp4 by
+    default), or an unregistered one named by its numbers (only its sizes are read here)."""
     if not getattr(args, "shape", None):
         return QWEN38_TP4
-    shape = tuple(int(v) for v in args.shape.split(","))
-    if len(shape) != 5:
-        raise SystemExit(f"bench: --shape takes E,k,K,N,G, got {args.shape!r}")
-    for contract in registered_contracts():
-        if contract.shape == shape:
-            return contract
-    return ShapeContract("x".join(map(str, shape)), *shape, min_tokens=1, max_tokens=1)
+    try:
+        shape = tuple(int(v) for v in args.shape.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 5 or min(shape) < 1:
+        raise SystemExit(f"bench: --shape takes E,k,K,N,G as five positive integers, got {args.shape!r}")
+    dtype = DTYPES[getattr(args, "dtype", "fp16")]
+    return admits(LayerShape(*shape, dtype)).contract or ShapeContract("x".join(map(str, shape)), *shape,
+                                                                        min_tokens=1, max_tokens=1)
 
 
 def random_layer_inputs(M: int, top_k: int, E: int, K: int, count: int, dtype, device, gen: torch.Generator):
@@ -123,9 +125,10 @@ def run(args) -> Dict:
     from .read_floor import Compaction, floor2, floor_blocks, read_active_experts
 
     dtype = DTYPES[args.dtype]
+    device = torch.device("cuda")
+    apply_tables(device_facts(device).name)  # this GPU's grouped windows, as the vLLM plugin's startup does
     c = layer_of(args)
     E, k, K, N = c.num_experts, c.top_k, c.hidden_size, c.intermediate_size
-    device = torch.device("cuda")
     t0 = time.time()
     tokens = sorted({int(m) for m in args.tokens.split(",") if m})
     print(f"[bench] generating {args.layers} layers of {c.name} weights on the GPU ...", flush=True)

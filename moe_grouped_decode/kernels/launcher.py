@@ -34,7 +34,8 @@ from triton.runtime.jit import JITFunction
 
 from .. import env
 
-ENABLED = env.direct_launch()  # MOE_GROUPED_DECODE_DIRECT_LAUNCH=0: Triton's dispatch for every launch
+# MOE_GROUPED_DECODE_DIRECT_LAUNCH, read at the first launch (None until then; tests set it)
+ENABLED: Optional[bool] = None
 MAX_ENTRIES = 8192  # (launch, specialization) pairs kept, the least recently used dropped first
 _PLAIN = (torch.Tensor, int, float, bool, type(None))
 
@@ -55,10 +56,20 @@ def _key(launch, args: Sequence) -> Tuple:
         for arg in args])
 
 
+def enabled() -> bool:
+    """Whether launches skip Triton's dispatch after their first (``MOE_GROUPED_DECODE_DIRECT_LAUNCH``,
+    read once: a read per launch would cost what the cache saves)."""
+    global ENABLED
+    if ENABLED is None:
+        ENABLED = env.direct_launch()
+    return ENABLED
+
+
 def run(launch, args: Sequence):
     """Launch ``launch`` (a plan's ``Launch``) on its runtime ``args``, in the kernel's order;
     returns the compiled kernel (None under the interpreter)."""
-    if ENABLED and id(launch) in _cached_launches and not launch.kernel.pre_run_hooks:
+    direct = ENABLED if ENABLED is not None else enabled()
+    if direct and id(launch) in _cached_launches and not launch.kernel.pre_run_hooks:
         key = _key(launch, args)
         entry = _entries.get(key)
         if entry is not None:
@@ -68,7 +79,7 @@ def run(launch, args: Sequence):
     else:
         key = None
     compiled = launch.kernel[launch.grid](*args, **dict(launch.constexprs), **dict(launch.options))
-    if (ENABLED and isinstance(launch.kernel, JITFunction) and not launch.kernel.pre_run_hooks
+    if (direct and isinstance(launch.kernel, JITFunction) and not launch.kernel.pre_run_hooks
             and _launches_directly(compiled) and all(isinstance(arg, _PLAIN) for arg in args)):
         _remember(key if key is not None else _key(launch, args), launch, compiled, args)
     return compiled
