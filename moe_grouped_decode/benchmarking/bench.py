@@ -433,7 +433,7 @@ def markdown(result: Dict) -> str:
         g = r.get
         lines.append(
             f"| {r['M']} | {r['route']} | {_fmt(g('plugin_us'), '.1f')} | {_fmt(g('humming_us'), '.1f')} | "
-            f"{_fmt(g('marlin_us'), '.1f')} | {_fmt(g('speedup'), '.2f')}x | {_fmt(g('grouped_us'), '.1f')} | "
+            f"{_fmt(g('marlin_us'), '.1f')} | {_fmt(g('speedup'), '.2f')}{'x' if g('speedup') else ''} | {_fmt(g('grouped_us'), '.1f')} | "
             f"{_fmt(g('prefill_us'), '.1f')} | {_fmt(g('floor1_us'), '.1f')} | {_fmt(g('compute_us'), '.1f')} | "
             f"{_fmt(g('plugin_over_floor'), '.2f')} |"
         )
