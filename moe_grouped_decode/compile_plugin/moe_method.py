@@ -30,7 +30,7 @@ _WORKSPACES: dict = {}
 
 # the ops' implementations (grouped, dense) that ``apply`` calls directly per device type, on a
 # plain tensor outside tracing: a GPU step outside vLLM's CUDA graphs is bound by the host's time,
-# and the dispatcher's way to an implementation costs more of it than all of the kernels' launches
+# and the dispatcher's way to an implementation adds to it on every layer
 EAGER_IMPLEMENTATIONS = {"cuda": (awq_moe_grouped_decode_cuda, awq_moe_dense_cuda)}
 
 

@@ -114,8 +114,7 @@ def _checked_call(op_name: str, device, launch) -> None:
 @awq_moe_grouped_decode.register_kernel("cuda")
 def awq_moe_grouped_decode_cuda(hidden_states, topk_weights, topk_ids, *weight_args_and_workspace):
     """``awq_moe_grouped_decode``'s CUDA implementation; an eager caller outside tracing may call
-    it directly (as the vLLM method's apply does): the dispatcher's way to it costs more host
-    time per call than the kernels' launches."""
+    it directly (as the vLLM method's apply does), sparing the dispatcher's host time per call."""
     *weight_args, workspace = weight_args_and_workspace
     weights = AwqMoeWeights(*weight_args)
     check_moe_args("awq_moe_grouped_decode", hidden_states, topk_weights, topk_ids, weights, workspace)
