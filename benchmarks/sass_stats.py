@@ -229,9 +229,10 @@ def prefill_kernels(dtype, M, config):
     ints = dict(x_stride=K, out_stride=K, rows=M * k, num_blocks=1, max_groups=1)
     weights = {"w13_prefill": K * 64, "w2_prefill": N * 64 * config.w2_warps,
                "w13_prefill_dot": K * 2 * config.w13_block_n, "w2_prefill_dot": N * config.w2_block_n,
-               "w13_prefill_wgmma": K * 128, "w2_prefill_wgmma": N * 128 * prefill_wgmma.W2_TILES_PER_PROGRAM}
+               "w13_prefill_wgmma": K * 128, "w2_prefill_wgmma": N * 128 * config.w2_tiles_per_program}
     tag = (f"tb={config.token_blocks}" if config.kernel == "mma" else
-           f"wgmma rows={config.block_rows} stages={config.w13_stages},{config.w2_stages}" if config.kernel == "wgmma" else
+           f"wgmma rows={config.block_rows} stages={config.w13_stages},{config.w2_stages} "
+           f"w2 tiles={config.w2_tiles_per_program} unrolled={config.w2_unrolled_pieces}" if config.kernel == "wgmma" else
            f"rows={config.block_rows} n={config.w13_block_n},{config.w2_block_n} warps={config.w13_warps},"
            f"{config.w2_warps} stages={config.w13_stages},{config.w2_stages}")
     for launch in plan.launches:

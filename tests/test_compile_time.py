@@ -2,7 +2,7 @@
 bundled ptxas).
 
 A kernel that unrolls a loop over a whole N or K compiles in time that grows with it: before the
-chunk loops (``awq_mma.UNROLLED_CHUNKS``, ``w2_tl.HELD_CHUNKS``, ``prefill_wgmma.UNROLLED_PIECES``)
+chunk loops (``awq_mma.UNROLLED_CHUNKS``, ``w2_tl.HELD_CHUNKS``, the wgmma W2's ``PrefillConfig.w2_unrolled_pieces``)
 the tl W2 of a Mixtral-shaped layer (N = 7168) took 134 s in Triton's compiler on a 2-core CPU
 (58,000 SASS instructions, 13 KB spilled), the prefill W2 85 s (34,000), the prefill W13 at
 K = 7168 13.5 s (9,200) and the wgmma W2 at N = 6144 22 s (33,000, spilling); with them each

@@ -468,6 +468,49 @@ def test_wgmma_w13_tilings_plan_one_program_per_column_block(N, tiles, per_group
         assert w13.grid == ((-(-3000 // 16) + 512) * per_group,) and dict(w13.constexprs)["TILES"] == tiles
 
 
+@pytest.mark.parametrize("tiles,unrolled", [(4, 8), (2, 8), (1, 16)])
+def test_wgmma_w2_tiles_and_unrolled_pieces_reach_the_kernel(tiles, unrolled):
+    """W2's grid: per sorted group one program per ``w2_tiles_per_program`` 128-column tiles (the
+    last program's tiles past K masked), and the kernel gets the tiles and the unroll bound as
+    constexprs. Values outside what the kernel takes are refused."""
+    cfg = plan.PrefillConfig(kernel="wgmma", block_rows=16, w2_stages=12, w2_tiles_per_program=tiles,
+                             w2_unrolled_pieces=unrolled)
+    hopper = plan.prefill_plan(300, 8, 128, 2176, 384, 128, torch.float16, (9, 0), cfg)  # 17 tiles of W2
+    if plan.gluon_runs((9, 0)):
+        w2 = next(lu for lu in hopper.launches if lu.stage == "w2")
+        assert w2.grid == ((-(-2400 // 16) + 128) * -(-17 // tiles),)
+        constexprs = dict(w2.constexprs)
+        assert constexprs["TILES_PER_PROGRAM"] == tiles and constexprs["UNROLL_UP_TO"] == unrolled
+    for bad in ({"w2_tiles_per_program": 3}, {"w2_tiles_per_program": 8}, {"w2_unrolled_pieces": 0},
+                {"w2_unrolled_pieces": 17}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            plan.PrefillConfig(kernel="wgmma", **bad)
+    for kernel in ("mma", "dot"):  # the knobs of the wgmma kernels only: no two configs that run alike
+        with pytest.raises(ValueError, match="wgmma kernels'"):
+            plan.PrefillConfig(kernel=kernel, block_rows=32, w2_tiles_per_program=tiles, w2_unrolled_pieces=16)
+
+
+def test_prefill_entries_this_version_cannot_read_are_skipped():
+    """A prefill table entry with a field this version does not know (written by a newer tune) or
+    values that make no valid config is skipped: the entries around it serve, or the default."""
+    from moe_grouped_decode import tables
+    from moe_grouped_decode.kernels.config import PrefillConfig, prefill_config, prefill_config_from_fields
+
+    shape, gpu = (64, 4, 1024, 96, 32), "NVIDIA Test GPU"
+    good = {"kernel": "wgmma", "block_rows": 32, "w13_stages": 3, "w2_stages": 4}
+    table = tables.MeasuredTable(
+        name="skip-test", gpu=gpu, shape=shape, dtype="fp16", versions={}, generator="test",
+        routes=tables.RouteTable(tokens=(1,), routes=("prefill",), plugin_us=(1.0,), vllm_us={"marlin": (2.0,)},
+                                 grouped_tokens=None),
+        prefill=({"M": 64, "config": {**good, "w2_future_knob": 1}}, {"M": 256, "config": good},
+                 {"M": 1024, "config": {"token_blocks": 3}}))
+    assert prefill_config_from_fields({**good, "w2_future_knob": 1}) is None
+    assert prefill_config_from_fields({"token_blocks": 3}) is None and prefill_config_from_fields(None) is None
+    with tables.table_registered(table):
+        for M in (1, 64, 256, 4096):  # the readable entry serves below it and, the last one, above
+            assert prefill_config(shape, gpu, "fp16", M) == PrefillConfig(**good), M
+
+
 def test_prefill_warmup_counts_compile_every_binary_a_count_launches():
     """Warming the prefill route at ``prefill_warmup_counts(N)`` compiles every (kernel,
     constexprs, options) any M up to N launches: nothing left to compile while serving."""

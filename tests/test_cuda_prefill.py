@@ -142,6 +142,36 @@ def test_wgmma_group_rows_and_scales_ahead_keep_the_bits(layer):
                                               "bits differ from 16-row wide")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the wgmma kernels run on a Hopper")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_wgmma_w2_tiles_and_unrolled_pieces_keep_the_bits(dtype):
+    """W2's pieces unrolled or looped, over one ring or a ring stage a piece, and one, two or four
+    128-column tiles a program, reduce each output in the same order: bit-identical outputs,
+    within the float64 reference's bound, at N = 384 (12 pieces a tile) and K = 1152 (9 tiles:
+    the last program of two or four tiles runs past K)."""
+    E2, k2, K2, N2, G2 = 16, 4, 1152, 384, 128
+    weights = synthetic_moe_weights(E2, K2, N2, G2, dtype=dtype, seed=17, device="cuda")
+    gen = torch.Generator().manual_seed(19)
+    M = 96
+    x = torch.randn(M, K2, generator=gen).to(dtype).cuda()
+    ids = torch.rand(M, E2, generator=gen).topk(k2, dim=1).indices.to(torch.int32).cuda()
+    tw = torch.rand(M, k2, generator=gen)
+    tw = (tw / tw.sum(1, keepdim=True)).cuda()
+    outs = []
+    for tiles, unrolled, stages in ((4, 8, 4), (4, 16, 12), (2, 8, 4), (1, 8, 4), (2, 16, 12), (1, 16, 12),
+                                   (1, 16, 4), (2, 16, 4)):
+        config = PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=64, w13_stages=3, w2_stages=stages,
+                               w2_tiles_per_program=tiles, w2_unrolled_pieces=unrolled)
+        out = torch.full_like(x, float("nan"))
+        launch_prefill(x, tw, ids, weights, out, config)
+        outs.append(((tiles, unrolled), out))
+    stats = error_stats(outs[0][1], reference_moe(x.cpu(), tw.cpu(), ids.cpu(), weights.to("cpu")))
+    assert not stats.nan and stats.scaled_max_abs <= BOUND[dtype], stats
+    for (tiles, unrolled), out in outs[1:]:
+        assert torch.equal(out, outs[0][1]), f"{tiles} tiles a program, {unrolled} pieces unrolled: bits differ"
+
+
 def test_prefill_sort_groups_every_row_once(layer):
     """The on-device sort's groups hold every routed row exactly once, each in a group of its own
     expert of at most 8 * token_blocks rows, in expert order."""

@@ -364,3 +364,36 @@ for dtype in ("fp16", "bf16"):
         # none (three barriers fewer: 2-5 us at 160-512 tokens on the H200)
         pieces = int(row[2].split("-k")[1]) // 32
         assert int(row[5]) <= (3 if pieces == 4 else pieces + 2), row
+
+
+def test_wgmma_w2_tiles_and_unrolled_pieces_compile_without_spills():
+    """Every W2 variant the tuner searches at a 12-piece N (384) compiles for sm_90 without stack:
+    one, two or four tiles a program, the pieces looped or unrolled, over one ring or a stage a
+    piece. One tile with its pieces unrolled is the case Triton once failed to lower (a prefetch
+    under a constant-false condition); it must stay within the registers of the looped kernel's
+    four tiles, the reason it is searched."""
+    code = r"""
+import re, sys
+sys.path.insert(0, BENCHMARKS)
+import sass_stats
+from compile_times import plan_launches
+from moe_grouped_decode.kernels.config import PrefillConfig
+for dtype in ("fp16", "bf16"):
+    for tiles in (1, 2, 4):
+        for unrolled, stages in ((8, 4), (16, 4), (16, 12)):
+            cfg = PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=64, w13_stages=3, w2_stages=stages,
+                                w2_tiles_per_program=tiles, w2_unrolled_pieces=unrolled)
+            plan, ints = plan_launches("prefill", (128, 8, 1152, 384, 128), 128, dtype, 90, prefill_config=cfg)
+            w2 = next(launch for launch in plan.launches if launch.stage == "w2")
+            usage = sass_stats.cuobjdump(sass_stats.compile_launch(w2, dtype, ints), "-res-usage")
+            regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+            print("w2", dtype, tiles, unrolled, stages, regs, stack)
+""".replace("BENCHMARKS", repr(str(ROOT / "benchmarks")))
+    rows = [line.split()[1:] for line in _python_stdout("-c", code).splitlines() if line.startswith("w2 ")]
+    assert len(rows) == 2 * 3 * 3, rows
+    regs = {}
+    for dtype, tiles, unrolled, stages, registers, stack in rows:
+        assert stack == "0" and int(registers) <= 255, rows
+        regs[dtype, tiles, unrolled, stages] = int(registers)
+    for dtype in ("fp16", "bf16"):
+        assert regs[dtype, "1", "16", "12"] <= regs[dtype, "4", "8", "4"], regs

@@ -379,3 +379,26 @@ def test_refinement_also_searches_counts_the_first_search_did_not_reach_worst_fi
     assert visited == [16384, 1024]
     visited.clear()
     assert tune.refine_prefill(*args) == best and visited == []  # without it: every count of best counts as searched
+
+
+def test_prefill_candidates_follow_the_shape():
+    """On Hopper the search adds, for a W2 tile of 9-16 pieces (N = 288 to 512), configs with
+    those pieces unrolled and a ring stage each; for a layer of few W2 programs, one and two tiles
+    a program; a shape of neither gets neither, and every candidate is a distinct config."""
+    from moe_grouped_decode.benchmarking.tune import prefill_candidates
+
+    def extra(shape):
+        found = prefill_candidates((9, 0), shape)
+        assert len(found) == len(set(found))
+        unrolled = {(c.block_rows, c.w2_stages, c.w2_tiles_per_program) for c in found if c.w2_unrolled_pieces > 8}
+        tiles = {(c.block_rows, c.w2_tiles_per_program) for c in found
+                 if c.w2_tiles_per_program < 4 and c.w2_unrolled_pieces == 8}
+        return unrolled, tiles
+
+    assert extra((128, 8, 2048, 384, 128)) == ({(16, 12, 1), (16, 12, 4), (32, 12, 1), (32, 12, 4)},
+                                               {(16, 1), (16, 2), (32, 1), (32, 2)})
+    assert extra((512, 10, 2048, 512, 128)) == ({(16, 16, 1), (16, 16, 4), (32, 16, 1), (32, 16, 4)}, set())
+    assert extra((512, 10, 2560, 160, 32)) == (set(), set())
+    assert extra((64, 6, 2048, 1408, 128))[0] == set()  # 44 pieces: too many to unroll
+    assert prefill_candidates((9, 0)) == prefill_candidates((9, 0), (512, 10, 2560, 160, 32))
+    assert all(c.kernel != "wgmma" for c in prefill_candidates((8, 0), (128, 8, 2048, 384, 128)))

@@ -609,12 +609,15 @@ def grouped_candidates(capability, family: str) -> list:
     return list(dict.fromkeys(c for c in found if c is not None))
 
 
-def prefill_candidates(capability) -> list:
+def prefill_candidates(capability, shape: Optional[tables.Shape] = None) -> list:
     """The prefill route's search space. On Hopper the wgmma kernels: every config the shipped
     tables hold, one per group size from 8 to 128 rows and two more of 128 rows over narrow W13
-    tiles; elsewhere the mma kernels over 8- and 16-row groups and the dot kernels over 32 to 128
-    (``kernels.config.prefill_candidates``'s first variants)."""
-    from ..kernels.config import PrefillConfig, prefill_candidates as all_candidates
+    tiles; for a ``shape`` whose W2 tile has 9-16 pieces, 16- and 32-row groups with those
+    pieces unrolled (one and four tiles a program); for a layer of few W2 programs (every expert
+    active, four tiles a program, at most 512), 16- and 32-row groups of one and two W2 tiles a
+    program. Elsewhere the mma kernels over 8- and 16-row groups and the dot kernels over 32 to
+    128 (``kernels.config.prefill_candidates``'s first variants)."""
+    from ..kernels.config import MAX_UNROLLED_PIECES, PrefillConfig, prefill_candidates as all_candidates
 
     if tuple(capability) >= (9, 0):
         found = [PrefillConfig(**e["config"]) for t in tables.shipped_tables() for e in t.prefill]
@@ -626,6 +629,17 @@ def prefill_candidates(capability) -> list:
         found += [PrefillConfig(kernel="wgmma", block_rows=128, w13_block_k=32, w13_stages=3, w2_stages=3)]
         found += [PrefillConfig(kernel="wgmma", block_rows=128, w13_block_k=64, w13_stages=stages, w2_stages=3,
                                 w13_tiles="narrow") for stages in (2, 3)]
+        if shape is not None:
+            E, _, K, N, _ = shape
+            pieces = N // 32
+            if 8 < pieces <= MAX_UNROLLED_PIECES:  # a ring stage a piece: one allocation each, fewer barriers
+                # (over one tile a program, about half the registers of four)
+                found += [PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3,
+                                        w2_stages=pieces, w2_unrolled_pieces=MAX_UNROLLED_PIECES,
+                                        w2_tiles_per_program=tiles) for rows in (16, 32) for tiles in (1, 4)]
+            if E * -(-K // 512) <= 512:
+                found += [PrefillConfig(kernel="wgmma", block_rows=rows, w13_block_k=64, w13_stages=3, w2_stages=4,
+                                        w2_tiles_per_program=tiles) for rows in (16, 32) for tiles in (1, 2)]
     else:
         found = [c for c in all_candidates() if c.kernel == "mma"]
         seen_rows: set = set()
@@ -742,7 +756,7 @@ def run(args, spec: LayerSpec) -> int:
                         budget_s=args.budget_s, refine=not args.no_refine, refine_budget_s=args.refine_budget_s,
                         generator=command,
                         grouped_candidates=grouped_candidates(capability, family),
-                        prefill_candidates=prefill_candidates(capability), family=family)
+                        prefill_candidates=prefill_candidates(capability, spec.shape), family=family)
     for backend, why in extra["missing"].items():
         print(f"[tune] vLLM's {backend}: {why}", flush=True)
     verdict = tables.verdict(table, args.max_tokens)

@@ -137,6 +137,11 @@ class GroupedConfig:
         return dataclasses.replace(self, w13_kernel="tl", w2_kernel="tl")
 
 
+# the most W2 pieces a wgmma config may unroll: at N = 1408 (44 pieces) unrolled W2 spills, and
+# its compile grows with the pieces
+MAX_UNROLLED_PIECES = 16
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     """The prefill route's launches: the ``mma`` kernels (prefill.py, groups of 8 * token_blocks
@@ -167,8 +172,24 @@ class PrefillConfig:
     # combine: each launch starts while the one before finishes; W13 and W2 request their first
     # weights before they wait for it
     pdl: bool = True
+    # wgmma: W2's 128-column tiles per program (the group's act rows copied to shared memory once
+    # for all of them): fewer give a layer of few experts or a small K more programs to spread
+    w2_tiles_per_program: int = 4
+    # wgmma: W2's pieces of a tile (N / 32) unrolled at compile time up to this many, a loop past
+    # it; unrolled, a piece issues about 40% fewer instructions but registers (and the compile)
+    # grow with N. Unrolled pieces with w2_stages == N / 32 get a ring stage each (one shared
+    # allocation a piece, fewer barriers); any other depth shares one ring
+    w2_unrolled_pieces: int = 8
 
     def __post_init__(self) -> None:
+        if self.kernel != "wgmma" and (self.w2_tiles_per_program, self.w2_unrolled_pieces) != (4, 8):
+            raise ValueError("PrefillConfig: w2_tiles_per_program and w2_unrolled_pieces are the wgmma kernels' "
+                             f"(kernel {self.kernel!r} takes the defaults 4 and 8)")
+        if self.w2_tiles_per_program not in (1, 2, 4):
+            raise ValueError(f"PrefillConfig.w2_tiles_per_program must be 1, 2 or 4, got {self.w2_tiles_per_program}")
+        if not 1 <= self.w2_unrolled_pieces <= MAX_UNROLLED_PIECES:
+            raise ValueError(f"PrefillConfig.w2_unrolled_pieces must be 1 to {MAX_UNROLLED_PIECES}, "
+                             f"got {self.w2_unrolled_pieces}")
         for field in ("w13_warps", "w2_warps", "w13_stages", "w2_stages"):
             if getattr(self, field) < 1:
                 raise ValueError(f"PrefillConfig.{field} must be at least 1, got {getattr(self, field)}")
@@ -388,10 +409,22 @@ def prefill_config(shape: Shape, gpu_name: str, dtype_name: str, num_tokens: int
 def _prefill_config(shape: Shape, gpu_name: str, dtype_name: str, num_tokens: int, generation: int) -> PrefillConfig:
     table = measured_tables.config_table(gpu_name, shape, dtype_name)
     entries = sorted(table.prefill, key=lambda e: e["M"]) if table is not None else []
+    # an entry this version cannot read (a field it does not know, written by a newer tune) is skipped
+    entries = [(e["M"], c) for e in entries for c in [prefill_config_from_fields(e.get("config"))] if c is not None]
     if not entries:
         return PrefillConfig()
-    entry = next((e for e in entries if e["M"] >= num_tokens), entries[-1])
-    return PrefillConfig(**entry["config"])
+    return next((c for m, c in entries if m >= num_tokens), entries[-1][1])
+
+
+def prefill_config_from_fields(fields) -> Optional[PrefillConfig]:
+    """A prefill config from a table entry's fields (those it lacks take their defaults), or None
+    when a field is not known here or the values do not make a valid config."""
+    if not isinstance(fields, dict):
+        return None
+    try:
+        return PrefillConfig(**fields)
+    except (TypeError, ValueError):
+        return None
 
 
 def grouped_candidates(capability: Tuple[int, int], kernels: str) -> Tuple[GroupedConfig, ...]:

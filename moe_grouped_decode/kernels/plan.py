@@ -543,7 +543,7 @@ def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig,
     others wait for the launch before them to finish)."""
     if config.kernel == "wgmma":
         options = {"num_warps": 4, **launch_options(use_pdl)}
-        w2_programs = triton.cdiv(K // prefill_wgmma.TILE_COLUMNS, prefill_wgmma.W2_TILES_PER_PROGRAM)
+        w2_programs = triton.cdiv(K // prefill_wgmma.TILE_COLUMNS, config.w2_tiles_per_program)
         return (
             Launch("w13_prefill_wgmma", "w13", prefill_wgmma.w13_wgmma_kernel,
                    (max_groups * prefill_wgmma.w13_programs_per_group(config.w13_tiles, N),),
@@ -555,8 +555,8 @@ def _prefill_gemms(top_k, K, N, G, is_bf16, max_groups, config: PrefillConfig,
             Launch("w2_prefill_wgmma", "w2", prefill_wgmma.w2_wgmma_kernel, (max_groups * w2_programs,),
                    PREFILL_W2_ARGS,
                    _items(dict(K=K, N=N, G=G, BLOCK_ROWS=config.block_rows,
-                               TILES_PER_PROGRAM=prefill_wgmma.W2_TILES_PER_PROGRAM, STAGES=config.w2_stages,
-                               IS_BF16=is_bf16, USE_PDL=use_pdl)),
+                               TILES_PER_PROGRAM=config.w2_tiles_per_program, STAGES=config.w2_stages,
+                               IS_BF16=is_bf16, USE_PDL=use_pdl, UNROLL_UP_TO=config.w2_unrolled_pieces)),
                    _items(options), False),
         )
     if config.kernel == "dot":

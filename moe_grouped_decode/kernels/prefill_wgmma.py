@@ -19,7 +19,7 @@ them, so their latency overlaps work::
     [W2]   program (group, TILES_PER_PROGRAM tiles of 128 output columns): the group's act rows
            [BLOCK_ROWS, N] copied once to shared memory, then per tile N / 32 pieces as W13's
            (a ring of N / 32 stages keeps each piece in an allocation of its own: fewer barriers;
-           past UNROLLED_PIECES pieces a loop over them)
+           past the config's unrolled pieces a loop over them)
            -> row_out[routed row, cols] in the activation dtype
     then the combine (combine.py), as the other prefill kernels.
 
@@ -44,12 +44,12 @@ from .gluon_helpers import AVAILABLE
 
 STEP_ROWS = 32  # reduction rows per piece of a step (the layouts below are built for 32: not a knob)
 TILE_COLUMNS = 128  # A rows per program: two m64 blocks
-W2_TILES_PER_PROGRAM = 4  # W2: 128-column tiles per program (the act rows copied once for them)
-# W2's pieces of a tile (N / 32) unrolled at compile time up to this many (qwen3.8's N = 160 is 5);
-# a larger N loops over them (the same sums in the same order): unrolled, its registers grow with N
-# (168-195 at N = 768, spills at N = 1408 over 32-row groups) and so does its compile (22 s at
-# N = 6144, spilling 2.7 KB)
-UNROLLED_PIECES = _constexpr(8)
+# W2's 128-column tiles per program (the act rows copied once for them) and its pieces of a tile
+# (N / 32) unrolled at compile time up to UNROLL_UP_TO (qwen3.8's N = 160 is 5) come from the
+# config (``PrefillConfig.w2_tiles_per_program``, ``.w2_unrolled_pieces``). A larger N loops over
+# its pieces (the same sums in the same order): unrolled, its registers grow with N (121-138 at
+# N = 384-512, 168-195 at N = 768, spills at N = 1408 over 32-row groups) and so does its compile
+# (22 s at N = 6144, spilling 2.7 KB)
 
 
 def w13_programs_per_group(tiles: str, N: int) -> int:
@@ -279,6 +279,33 @@ if HOPPER_AVAILABLE:
         return acc, s_lo, s_hi, zw
 
     @gluon.jit
+    def _w2_tile(tt, first_tile, s_lo, s_hi, zw, piece_words, ring_words, act_smem, words_src, copy_ok, expert_scales,
+                 expert_zeros, word, col_lo, col_hi, local, pick, zero_pick, out_row, row_out_ptr, count, c, n,
+                 MMA: gl.constexpr, STORE: gl.constexpr, A_LAYOUT: gl.constexpr, K: gl.constexpr, G: gl.constexpr,
+                 PACKED: gl.constexpr, TILES: gl.constexpr, SUB: gl.constexpr, STEPS: gl.constexpr,
+                 STAGES: gl.constexpr, PIECE_RINGS: gl.constexpr, IS_BF16: gl.constexpr, UNROLLED: gl.constexpr,
+                 BLOCK_ROWS: gl.constexpr):
+        """The program's tile ``tt``: its SUB pieces into an accumulator, stored to its 128 columns of the
+        group's rows; returns the next piece's scales and zero words."""
+        tile = first_tile + tt
+        acc = gl.zeros([128, BLOCK_ROWS], gl.float32, layout=MMA)
+        if UNROLLED:
+            for s in gl.static_range(SUB):
+                acc, s_lo, s_hi, zw = _w2_piece(
+                    s, tt * SUB + s, tile, acc, s_lo, s_hi, zw, piece_words, ring_words, act_smem, words_src,
+                    first_tile, copy_ok, expert_scales, expert_zeros, word, col_lo, col_hi, local, pick, zero_pick,
+                    A_LAYOUT, K, G, PACKED, TILES, SUB, STEPS, STAGES, PIECE_RINGS, IS_BF16)
+        else:
+            for s in range(SUB):
+                acc, s_lo, s_hi, zw = _w2_piece(
+                    s, tt * SUB + s, tile, acc, s_lo, s_hi, zw, piece_words, ring_words, act_smem, words_src,
+                    first_tile, copy_ok, expert_scales, expert_zeros, word, col_lo, col_hi, local, pick, zero_pick,
+                    A_LAYOUT, K, G, PACKED, TILES, SUB, STEPS, STAGES, PIECE_RINGS, IS_BF16)
+        out = gl.convert_layout(_in_column_order(acc, BLOCK_ROWS).to(row_out_ptr.dtype.element_ty), STORE)
+        gl.store(row_out_ptr + out_row * K + tile * 128 + c, out, mask=(n < count) & (tile < TILES) & (c >= 0))
+        return s_lo, s_hi, zw
+
+    @gluon.jit
     def _w13_tile(
         x_ptr, stride_xm, sorted_rows_ptr, group_expert_ptr, group_start_ptr, group_count_ptr, group_id, word_base,
         qweight_ptr, scales_ptr, qzeros_ptr, act_ptr,
@@ -469,6 +496,7 @@ if HOPPER_AVAILABLE:
         qweight_ptr, scales_ptr, qzeros_ptr, row_out_ptr,
         K: gl.constexpr, N: gl.constexpr, G: gl.constexpr, BLOCK_ROWS: gl.constexpr,
         TILES_PER_PROGRAM: gl.constexpr, STAGES: gl.constexpr, IS_BF16: gl.constexpr, USE_PDL: gl.constexpr = False,
+        UNROLL_UP_TO: gl.constexpr = 8,
     ):
         """row_out[row, cols] = act[position] @ W2[expert][:, cols] for the group's rows,
         TILES_PER_PROGRAM tiles of 128 columns per program. USE_PDL: launched to start while W13
@@ -494,8 +522,8 @@ if HOPPER_AVAILABLE:
         words_src = qweight_ptr + expert * (N * PACKED) + ck * PACKED + first_tile * 16 + cw
         copy_ok = (cw >= 0) & (ck >= 0)
         STEPS: gl.constexpr = TILES_PER_PROGRAM * SUB
-        # a tile's pieces unrolled at compile time up to UNROLLED_PIECES; more (a large N) loop
-        UNROLLED: gl.constexpr = SUB <= UNROLLED_PIECES
+        # a tile's pieces unrolled at compile time up to UNROLL_UP_TO; more (a large N) loop
+        UNROLLED: gl.constexpr = SUB <= UNROLL_UP_TO
         # a ring of as many stages as a tile has pieces: piece s always in stage s, one allocation
         # each (the compiler puts a barrier between two copies into one allocation)
         PIECE_RINGS: gl.constexpr = STAGES == SUB and UNROLLED
@@ -541,22 +569,16 @@ if HOPPER_AVAILABLE:
         # the previous piece's work (at no cost in programs per SM here)
         s_lo, s_hi, zw = _piece_scales(0, expert_scales + first_tile * 128, expert_zeros + first_tile * 16 + word,
                                        col_lo, col_hi, (first_tile < TILES) & (local >= 0), K, G, PACKED)
-        for tt in range(TILES_PER_PROGRAM):
-            tile = first_tile + tt
-            tile_ok = tile < TILES
-            acc = gl.zeros([128, BLOCK_ROWS], gl.float32, layout=mma)
-            if UNROLLED:
-                for s in gl.static_range(SUB):
-                    acc, s_lo, s_hi, zw = _w2_piece(
-                        s, tt * SUB + s, tile, acc, s_lo, s_hi, zw, piece_words, ring_words, act_smem, words_src,
-                        first_tile, copy_ok, expert_scales, expert_zeros, word, col_lo, col_hi, local, pick, zero_pick,
-                        a_layout, K, G, PACKED, TILES, SUB, STEPS, STAGES, PIECE_RINGS, IS_BF16)
-            else:
-                for s in range(SUB):
-                    acc, s_lo, s_hi, zw = _w2_piece(
-                        s, tt * SUB + s, tile, acc, s_lo, s_hi, zw, piece_words, ring_words, act_smem, words_src,
-                        first_tile, copy_ok, expert_scales, expert_zeros, word, col_lo, col_hi, local, pick, zero_pick,
-                        a_layout, K, G, PACKED, TILES, SUB, STEPS, STAGES, PIECE_RINGS, IS_BF16)
-            out = gl.convert_layout(_in_column_order(acc, BLOCK_ROWS).to(row_out_ptr.dtype.element_ty), store)
-            gl.store(row_out_ptr + out_row * K + tile * 128 + c, out, mask=(n < count) & tile_ok & (c >= 0))
+        if TILES_PER_PROGRAM == 1:  # one tile: each piece's step j a constant, as its ring prefetch's bound
+            s_lo, s_hi, zw = _w2_tile(
+                0, first_tile, s_lo, s_hi, zw, piece_words, ring_words, act_smem, words_src, copy_ok, expert_scales,
+                expert_zeros, word, col_lo, col_hi, local, pick, zero_pick, out_row, row_out_ptr, count, c, n, mma,
+                store, a_layout, K, G, PACKED, TILES, SUB, STEPS, STAGES, PIECE_RINGS, IS_BF16, UNROLLED, BLOCK_ROWS)
+        else:
+            for tt in range(TILES_PER_PROGRAM):
+                s_lo, s_hi, zw = _w2_tile(
+                    tt, first_tile, s_lo, s_hi, zw, piece_words, ring_words, act_smem, words_src, copy_ok,
+                    expert_scales, expert_zeros, word, col_lo, col_hi, local, pick, zero_pick, out_row, row_out_ptr,
+                    count, c, n, mma, store, a_layout, K, G, PACKED, TILES, SUB, STEPS, STAGES, PIECE_RINGS, IS_BF16,
+                    UNROLLED, BLOCK_ROWS)
         async_copy.wait_group(0)
