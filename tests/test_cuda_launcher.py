@@ -4,7 +4,8 @@ Triton's own dispatch of every launch, and the direct path is really taken.
 
 Runs on a CUDA GPU only (skipped elsewhere). The qwen3.8-tp4 contract's shape, fp16 and bf16,
 at token counts on both routes and across the prefill route's power-of-two buckets; inputs
-whose addresses are not 16-byte aligned (a binary of their own) between aligned ones.
+whose addresses are not 16-byte aligned (the ops copy them to an aligned buffer first: the Gluon
+kernels cannot be lowered for them) between aligned ones.
 """
 
 from __future__ import annotations

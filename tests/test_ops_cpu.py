@@ -573,3 +573,23 @@ def test_overflow_recompute_skips_ids_outside_the_experts(op):
     assert not out.isnan().any()
     assert torch.equal(out.isinf(), ref.isinf()) and torch.equal(out[ref.isinf()], ref[ref.isinf()])
     assert (out[-1] == 0).all()
+
+
+def test_rows_not_on_a_16_byte_boundary_are_copied_to_one():
+    """The CUDA ops hand their kernels ``hidden_states`` starting on a 16-byte boundary: a view one
+    element into a larger tensor is copied (same values), an aligned one or a strided one made
+    contiguous is not copied again."""
+    from moe_grouped_decode.ops.cuda import aligned_rows
+
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float16, torch.bfloat16):
+        flat = torch.randn(4 * 64 + 8, generator=gen).to(dtype)
+        aligned = flat[:4 * 64].view(4, 64)
+        assert aligned.data_ptr() % 16 == 0 and aligned_rows(aligned) is aligned
+        off = flat[1:4 * 64 + 1].view(4, 64)
+        assert off.data_ptr() % 16 != 0
+        fixed = aligned_rows(off)
+        assert fixed.data_ptr() % 16 == 0 and fixed.is_contiguous() and torch.equal(fixed, off)
+        strided = flat[:4 * 64 * 1].view(64, 4).t()
+        made = aligned_rows(strided)
+        assert made.is_contiguous() and made.data_ptr() % 16 == 0 and torch.equal(made, strided)

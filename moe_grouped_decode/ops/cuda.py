@@ -96,6 +96,15 @@ def raise_on_flagged_ids(device=None) -> None:
                              f"or the layer's expert map ({env.CHECK_IDS_ENV} is on)")
 
 
+def aligned_rows(hidden_states: torch.Tensor) -> torch.Tensor:
+    """``hidden_states`` contiguous and starting on a 16-byte boundary, copied where it is not (a
+    view into a larger tensor may start anywhere): the Gluon kernels copy its rows in 16-byte
+    pieces, and Triton cannot lower them for an address it does not know to be aligned. With K a
+    multiple of 32, every row then starts aligned too."""
+    x = hidden_states.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def _checked_call(op_name: str, device, launch) -> None:
     """Run ``launch(check_ids)`` with the debug mode's switch read once for the call; in the debug
     mode check the flag before and after it, outside a capture."""
@@ -122,7 +131,7 @@ def awq_moe_grouped_decode_cuda(hidden_states, topk_weights, topk_ids, *weight_a
     if hidden_states.shape[0] == 0:
         return out
     _checked_call("awq_moe_grouped_decode", hidden_states.device, lambda check_ids: launch_grouped(
-        hidden_states.contiguous(), topk_weights, topk_ids, weights, workspace, out, check_ids=check_ids))
+        aligned_rows(hidden_states), topk_weights, topk_ids, weights, workspace, out, check_ids=check_ids))
     return out
 
 
@@ -161,7 +170,7 @@ def awq_moe_dense_cuda(hidden_states, topk_weights, topk_ids, *weight_args):
     if hidden_states.shape[0] == 0:
         return out
     _checked_call("awq_moe_dense", hidden_states.device, lambda check_ids: launch_prefill(
-        hidden_states.contiguous(), topk_weights, topk_ids, weights, out, check_ids=check_ids))
+        aligned_rows(hidden_states), topk_weights, topk_ids, weights, out, check_ids=check_ids))
     return out
 
 
