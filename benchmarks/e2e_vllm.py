@@ -22,7 +22,9 @@ MoE method), the optional arm ``force`` with ``MOE_GROUPED_DECODE_FORCE=1`` as w
 there ``on`` is vLLM's own backend, as the report's "served by" lines say; a
 shape without a contract takes the plugin's prefill route at every M, and a
 contract written by hand in ``MOE_GROUPED_DECODE_CONTRACTS``, which the arms
-inherit, gives it a grouped window). Each arm is a fresh Python process; it
+inherit, gives it a grouped window), and the optional arm ``dispatch`` with
+``MOE_GROUPED_DECODE_DIRECT_LAUNCH=0`` (as ``on``, every launch through Triton's
+dispatch: the direct launches' share of the host time). Each arm is a fresh Python process; it
 measures, in this order:
 
 1. startup: ``import vllm`` and ``LLM(...)`` wall time, and from vLLM's log the
@@ -108,11 +110,21 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 PROGRESS = "e2e"  # prefix of the lines the parent echoes from an arm's output
 # each arm's plugin switches; "on" and "off" make the report, "force" (the plugin even where it is
-# not admitted, unmeasured) is compared with "off" when its arm file is there
+# not admitted, unmeasured) and "dispatch" (no direct launches) are compared with "off" when their
+# arm files are there
 ARMS = {
     "on": {"MOE_GROUPED_DECODE": "1"},
     "off": {"MOE_GROUPED_DECODE": "0"},
     "force": {"MOE_GROUPED_DECODE": "1", "MOE_GROUPED_DECODE_FORCE": "1"},
+    "dispatch": {"MOE_GROUPED_DECODE": "1", "MOE_GROUPED_DECODE_DIRECT_LAUNCH": "0"},
+}
+# the optional arms, each compared with "off" where its file is there: (heading, what it measures)
+EXTRA_ARMS = {
+    "force": ("Forced (MOE_GROUPED_DECODE_FORCE=1) vs off",
+              "The plugin on every MoE layer its ops compute, admitted or not (unmeasured)."),
+    "dispatch": ("Triton's dispatch (MOE_GROUPED_DECODE_DIRECT_LAUNCH=0) vs off",
+                 "The plugin as in 'on', but every kernel launch through Triton's dispatch rather than "
+                 "straight to its compiled kernel: beside 'on', the launcher's share of the host time."),
 }
 REPORT_ARMS = ("on", "off")
 DEFAULT_SHAPE = (512, 10, 2560, 160, 32)  # qwen3.8 at TP4: one rank's shard
@@ -834,13 +846,15 @@ def build_report(out: Path, meta: dict) -> dict:
                 for arm, data in arms.items()},
         "errors": {arm: data.get("errors", []) for arm, data in arms.items()},
     }
-    if "force" in arms:
-        force = arms["force"]
-        report["force"] = {
-            "decode": compare_decode(arms, "force", "off"),
-            "ttft": compare_ttft(arms, "force", "off"),
-            "agreement": agreement_report(force.get("agreement", []), off.get("agreement", []), ("force", "off")),
-            "teacher_forced": teacher_forced_report(force.get("teacher_forced", {}), off.get("teacher_forced", {})),
+    for extra in EXTRA_ARMS:
+        if extra not in arms:
+            continue
+        data = arms[extra]
+        report[extra] = {
+            "decode": compare_decode(arms, extra, "off"),
+            "ttft": compare_ttft(arms, extra, "off"),
+            "agreement": agreement_report(data.get("agreement", []), off.get("agreement", []), (extra, "off")),
+            "teacher_forced": teacher_forced_report(data.get("teacher_forced", {}), off.get("teacher_forced", {})),
         }
     return report
 
@@ -983,14 +997,15 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         lines += ["", "CUDA-graph capture per mode (vLLM's progress bars):", "", *phase_lines]
     lines += [""] + teacher_forced_lines(report.get("teacher_forced") or {}, "on", "off")
     lines += [""] + agreement_lines(report["agreement"], "on", "off")
-    force = report.get("force")
-    if force:
-        lines += ["", "## Forced (MOE_GROUPED_DECODE_FORCE=1) vs off", "",
-                  "The plugin on every MoE layer its ops compute, admitted or not (unmeasured).", ""]
-        lines += decode_table(force["decode"], "force", "off", host_bound_below)
-        lines += [""] + ttft_tables(force["ttft"], "force", "off")
-        lines += [""] + teacher_forced_lines(force.get("teacher_forced") or {}, "force", "off")
-        lines += [""] + agreement_lines(force["agreement"], "force", "off")
+    for extra, (heading, what) in EXTRA_ARMS.items():
+        part = report.get(extra)
+        if not part:
+            continue
+        lines += ["", f"## {heading}", "", what, ""]
+        lines += decode_table(part["decode"], extra, "off", host_bound_below)
+        lines += [""] + ttft_tables(part["ttft"], extra, "off")
+        lines += [""] + teacher_forced_lines(part.get("teacher_forced") or {}, extra, "off")
+        lines += [""] + agreement_lines(part["agreement"], extra, "off")
     for arm in report["log"]:
         log = report["log"][arm]
         lines += ["", f"Log, arm {arm}:", ""]
@@ -1022,8 +1037,9 @@ def plot(report: dict, path: Path) -> Optional[str]:
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     cs = [cell["concurrency"] for cell in report["decode"]]
     series = [("on", "tab:blue", report["decode"]), ("off", "tab:orange", report["decode"])]
-    if report.get("force"):
-        series.append(("force", "tab:green", report["force"]["decode"]))
+    for extra, color in (("force", "tab:green"), ("dispatch", "tab:purple")):
+        if report.get(extra):
+            series.append((extra, color, report[extra]["decode"]))
     for arm, color, cells in series:
         left.plot([cell["concurrency"] for cell in cells], [cell[arm]["tok_s"] for cell in cells], "o-", color=color,
                   label=f"{arm}: wall clock")
@@ -1057,11 +1073,12 @@ def plot(report: dict, path: Path) -> Optional[str]:
 
 def arm_environment(args, arm: str, log_config: Path) -> dict:
     from moe_grouped_decode.compile_plugin.contracts_env import CONTRACTS_ENV, contracts_to_json
-    from moe_grouped_decode.env import FORCE_ENV, GROUPED_DECODE_ENV, without_switches
+    from moe_grouped_decode.env import DIRECT_LAUNCH_ENV, FORCE_ENV, GROUPED_DECODE_ENV, without_switches
 
     # the caller's switches would contradict the arm's (its old names too)
     env = without_switches(dict(os.environ), (GROUPED_DECODE_ENV,))
     env.pop(FORCE_ENV, None)
+    env.pop(DIRECT_LAUNCH_ENV, None)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default engine: multiprocess
     env.update({**ARMS[arm], "VLLM_LOGGING_CONFIG_PATH": str(log_config), "PYTHONUNBUFFERED": "1"})
     if args.smoke:
@@ -1131,8 +1148,9 @@ def parse_args(argv=None):
         return values
 
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--arms", default="on,off", help="which arms to run now: on, off, force (the report needs the "
-                        "on and off arm files in --out; force is added where its file is there)")
+    parser.add_argument("--arms", default="on,off", help="which arms to run now: on, off, force, dispatch (the report "
+                        "needs the on and off arm files in --out; force and dispatch are added where their files are "
+                        "there)")
     parser.add_argument("--shape", type=shape, default=None, help="the MoE layers' E,k,K,N,G (one rank's; default "
                         "qwen3.8-tp4's 512,10,2560,160,32; --smoke: the tiny model's)")
     parser.add_argument("--name", default=None, help="the shape's name in the report and the checkpoint's folder "

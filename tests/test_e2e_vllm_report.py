@@ -376,6 +376,24 @@ def test_report_with_a_forced_arm(e2e, tmp_path):
     assert e2e.plot(report, tmp_path / "e2e.png") is None
 
 
+def test_report_with_a_dispatch_arm(e2e, tmp_path):
+    """The arm without direct launches is compared with off beside on: its own section, its TTFT."""
+    arms = {"on": _arm("on", {1: 400.0}, {1: 2.4}, {512: 20.0}), "off": _arm("off", {1: 300.0}, {1: 3.0}, {512: 21.0}),
+            "dispatch": _arm("dispatch", {1: 390.0}, {1: 2.4}, {512: 23.1})}
+    for name, arm in arms.items():
+        (tmp_path / f"arm-{name}.json").write_text(json.dumps(arm))
+    meta = {"command": "e2e_vllm.py --arms on,off,dispatch", "name": "qwen3.8-tp4", "shape": [512, 10, 2560, 160, 32],
+            "architecture": "qwen3_moe", "dtype": "float16", "model": "m", "decode_prompt": 128, "decode_tokens": 128,
+            "repeats": 3, "profile_tokens": 24, "kernel_table_concurrency": 1}
+    report = e2e.build_report(tmp_path, meta)
+    assert "force" not in report
+    assert report["dispatch"]["ttft"][0]["dispatch_over_off"] == 1.1
+    assert report["dispatch"]["decode"][0]["dispatch_over_off"] == 1.3
+    text = e2e.markdown(report)
+    assert "## Triton's dispatch (MOE_GROUPED_DECODE_DIRECT_LAUNCH=0) vs off" in text
+    assert "## Forced" not in text
+
+
 def test_shape_options(e2e, tmp_path):
     from moe_grouped_decode.contract import QWEN38_TP4
 
@@ -422,8 +440,14 @@ def test_child_gets_the_shape_and_architecture(e2e, tmp_path):
 
 def test_forced_arm_environment(e2e, monkeypatch, tmp_path):
     monkeypatch.setenv("MOE_GROUPED_DECODE_FORCE", "1")  # the caller's: it would contradict the off arm
+    monkeypatch.setenv("MOE_GROUPED_DECODE_DIRECT_LAUNCH", "0")  # ... and the on arm
     args = e2e.parse_args(["--out", str(tmp_path)])
     off = e2e.arm_environment(args, "off", tmp_path / "log.json")
     assert off["MOE_GROUPED_DECODE"] == "0" and "MOE_GROUPED_DECODE_FORCE" not in off
     force = e2e.arm_environment(args, "force", tmp_path / "log.json")
     assert (force["MOE_GROUPED_DECODE"], force["MOE_GROUPED_DECODE_FORCE"]) == ("1", "1")
+    on = e2e.arm_environment(args, "on", tmp_path / "log.json")
+    assert on["MOE_GROUPED_DECODE"] == "1" and "MOE_GROUPED_DECODE_DIRECT_LAUNCH" not in on
+    dispatch = e2e.arm_environment(args, "dispatch", tmp_path / "log.json")
+    assert (dispatch["MOE_GROUPED_DECODE"], dispatch["MOE_GROUPED_DECODE_DIRECT_LAUNCH"]) == ("1", "0")
+    assert "MOE_GROUPED_DECODE_FORCE" not in dispatch
