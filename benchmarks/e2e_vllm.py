@@ -853,6 +853,8 @@ def build_report(out: Path, meta: dict) -> dict:
         report[extra] = {
             "decode": compare_decode(arms, extra, "off"),
             "ttft": compare_ttft(arms, extra, "off"),
+            # the launcher's share: the same plugin with and without direct launches
+            **({"ttft_on": compare_ttft(arms, "on", extra)} if extra == "dispatch" else {}),
             "agreement": agreement_report(data.get("agreement", []), off.get("agreement", []), (extra, "off")),
             "teacher_forced": teacher_forced_report(data.get("teacher_forced", {}), off.get("teacher_forced", {})),
         }
@@ -1004,6 +1006,8 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         lines += ["", f"## {heading}", "", what, ""]
         lines += decode_table(part["decode"], extra, "off", host_bound_below)
         lines += [""] + ttft_tables(part["ttft"], extra, "off")
+        if part.get("ttft_on"):
+            lines += ["", f"Time to first token, on against {extra}:", ""] + ttft_tables(part["ttft_on"], "on", extra)
         lines += [""] + teacher_forced_lines(part.get("teacher_forced") or {}, extra, "off")
         lines += [""] + agreement_lines(part["agreement"], extra, "off")
     for arm in report["log"]:

@@ -676,3 +676,35 @@ def test_expert_parallel_shards_sum_to_the_full_layer(M, placement):
             out = grouped_op(x, tw, local_ids, *shard.op_args(), workspace)
         total += out.float()
     assert_close(f"EP {EP} {placement} M={M}", total.to(x.dtype), x, tw, ids, weights.to("cpu"))
+
+
+def test_hidden_states_of_any_layout_give_the_contiguous_inputs_bits(layer, workspace):
+    """Both ops on hidden states laid out as vLLM may hand them (one element off a 16-byte
+    boundary, a transposed view, one row of a wider buffer): the bits of the same values in a
+    fresh contiguous tensor, and a row-major output."""
+    weights, _ = layer
+    gen = torch.Generator().manual_seed(23)
+    ops = torch.ops.moe_grouped_decode
+    for M in (1, 8, 300):
+        x = torch.randn(M, K, generator=gen).to(weights.w13_scales.dtype).cuda()
+        ids = torch.rand(M, E, generator=gen).topk(TOP_K, dim=1).indices.to(torch.int32).cuda()
+        tw = torch.rand(M, TOP_K, generator=gen).cuda()
+        tw = tw / tw.sum(1, keepdim=True)
+        flat = torch.empty(M * K + 8, dtype=x.dtype, device="cuda")
+        off = flat[1:M * K + 1].view(M, K)
+        off.copy_(x)
+        transposed = x.t().contiguous().t()
+        wide = torch.zeros(M, K + 32, dtype=x.dtype, device="cuda")[:, 16:K + 16]
+        wide.copy_(x)
+        layouts = {"misaligned": off, "transposed": transposed}
+        if M == 1:
+            layouts["one row of a wider buffer"] = wide
+        runs = [("dense", lambda h: ops.awq_moe_dense(h, tw, ids, *weights.op_args()))]
+        if M <= 8:
+            runs.append(("grouped", lambda h: ops.awq_moe_grouped_decode(h, tw, ids, *weights.op_args(), workspace)))
+        for op_name, run in runs:
+            want = run(x)
+            for name, h in layouts.items():
+                got = run(h)
+                assert got.is_contiguous(), (op_name, name, M)
+                assert torch.equal(got, want), f"{op_name} M={M}, {name} hidden states: bits differ"

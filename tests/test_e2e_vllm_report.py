@@ -389,9 +389,11 @@ def test_report_with_a_dispatch_arm(e2e, tmp_path):
     assert "force" not in report
     assert report["dispatch"]["ttft"][0]["dispatch_over_off"] == 1.1
     assert report["dispatch"]["decode"][0]["dispatch_over_off"] == 1.3
+    assert report["dispatch"]["ttft_on"][0]["on_over_dispatch"] == pytest.approx(20.0 / 23.1, abs=1e-3)
     text = e2e.markdown(report)
     assert "## Triton's dispatch (MOE_GROUPED_DECODE_DIRECT_LAUNCH=0) vs off" in text
     assert "## Forced" not in text
+    assert "Time to first token, on against dispatch:" in text and "| prompt tokens | on ms | dispatch ms |" in text
 
 
 def test_shape_options(e2e, tmp_path):

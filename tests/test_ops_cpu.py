@@ -593,3 +593,7 @@ def test_rows_not_on_a_16_byte_boundary_are_copied_to_one():
         strided = flat[:4 * 64 * 1].view(64, 4).t()
         made = aligned_rows(strided)
         assert made.is_contiguous() and made.data_ptr() % 16 == 0 and torch.equal(made, strided)
+        wide = flat[:2 * 100].view(2, 100)[:1, 8:72]  # one row: "contiguous", its row stride 100
+        assert wide.is_contiguous() and wide.stride(0) == 100
+        one = aligned_rows(wide)
+        assert one.stride(0) == 64 and one.data_ptr() % 16 == 0 and torch.equal(one, wide)

@@ -97,12 +97,15 @@ def raise_on_flagged_ids(device=None) -> None:
 
 
 def aligned_rows(hidden_states: torch.Tensor) -> torch.Tensor:
-    """``hidden_states`` contiguous and starting on a 16-byte boundary, copied where it is not (a
-    view into a larger tensor may start anywhere): the Gluon kernels copy its rows in 16-byte
-    pieces, and Triton cannot lower them for an address it does not know to be aligned. With K a
-    multiple of 32, every row then starts aligned too."""
+    """``hidden_states`` [M, K] row-major with rows K apart, starting on a 16-byte boundary; copied
+    where it is not (a view into a larger tensor may start anywhere, and a one-row view counts as
+    contiguous whatever its row stride): the Gluon kernels copy its rows in 16-byte pieces, and
+    Triton cannot lower them for an address it does not know to be aligned. With K a multiple of
+    32, every row then starts aligned too."""
     x = hidden_states.contiguous()
-    return x if x.data_ptr() % 16 == 0 else x.clone()
+    if x.data_ptr() % 16 == 0 and x.stride(0) == x.shape[1]:
+        return x
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def _checked_call(op_name: str, device, launch) -> None:
@@ -127,7 +130,7 @@ def awq_moe_grouped_decode_cuda(hidden_states, topk_weights, topk_ids, *weight_a
     *weight_args, workspace = weight_args_and_workspace
     weights = AwqMoeWeights(*weight_args)
     check_moe_args("awq_moe_grouped_decode", hidden_states, topk_weights, topk_ids, weights, workspace)
-    out = torch.empty_like(hidden_states)
+    out = hidden_states.new_empty(hidden_states.shape)  # row-major whatever the input's layout
     if hidden_states.shape[0] == 0:
         return out
     _checked_call("awq_moe_grouped_decode", hidden_states.device, lambda check_ids: launch_grouped(
@@ -166,7 +169,7 @@ def awq_moe_dense_cuda(hidden_states, topk_weights, topk_ids, *weight_args):
     """``awq_moe_dense``'s CUDA implementation; callable directly as ``awq_moe_grouped_decode_cuda``."""
     weights = AwqMoeWeights(*weight_args)
     check_moe_args("awq_moe_dense", hidden_states, topk_weights, topk_ids, weights)
-    out = torch.empty_like(hidden_states)
+    out = hidden_states.new_empty(hidden_states.shape)  # row-major whatever the input's layout
     if hidden_states.shape[0] == 0:
         return out
     _checked_call("awq_moe_dense", hidden_states.device, lambda check_ids: launch_prefill(
