@@ -35,7 +35,7 @@ class _Compiled:
 
     def __getitem__(self, grid):
         def runner(*args, stream=None):
-            self.calls.append(("direct", self.spec, grid, args))
+            self.calls.append(("direct", self.spec, grid, args, stream))
         return runner
 
 
@@ -59,6 +59,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(_kernel, "run", dispatch)
     monkeypatch.setattr(_kernel, "pre_run_hooks", [])
     monkeypatch.setattr(launcher, "_current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "_current_stream", lambda device: ("stream of", device))
     monkeypatch.setattr(launcher, "ENABLED", True)
     launcher.clear()
     launch = Launch(name="k", stage="sort", kernel=_kernel, grid=(4, 2), args=("x", "y", "n", "flag"),
@@ -83,10 +84,27 @@ def test_second_launch_goes_to_the_binary_with_every_argument(recorded):
     x2, y2 = _tensors(1)
     second = launcher.run(launch, [x2, y2, 17, None])
     assert second is first
-    kind, _, grid, args = calls[1]
-    # the runtime arguments, then the constexprs and defaults in the signature's order; a 3-D grid
-    assert (kind, grid) == ("direct", (4, 2, 1))
-    assert args[:2] == (x2, y2) and args[2:] == (17, None, 8, False)
+    kind, _, grid, args, stream = calls[1]
+    # the runtime arguments (each tensor as its address), then the constexprs and defaults in the
+    # signature's order; a 3-D grid; the current device's stream
+    assert (kind, grid, stream) == ("direct", (4, 2, 1), ("stream of", 0))
+    assert args[:2] == (x2.data_ptr(), y2.data_ptr()) and args[2:] == (17, None, 8, False)
+
+
+def test_the_launches_of_one_call_ask_the_device_and_stream_once(recorded, monkeypatch):
+    launch, calls = recorded
+    asked = []
+    monkeypatch.setattr(launcher, "_current_device", lambda: asked.append("device") or 3)
+    monkeypatch.setattr(launcher, "_current_stream", lambda device: asked.append(("stream", device)) or "s")
+    x, y = _tensors(12)
+    launcher.run(launch, [x, y, 17, None])  # through Triton: the device for the key, no stream
+    assert asked == ["device"]
+    asked.clear()
+    call = launcher.Call()
+    for _ in range(3):
+        launcher.run(launch, [x, y, 17, None], call)
+    assert asked == ["device", ("stream", 3)]
+    assert [c[0] for c in calls] == ["triton"] + ["direct"] * 3 and {c[4] for c in calls[1:]} == {"s"}
 
 
 def test_what_triton_specializes_on_sends_the_launch_back_to_triton(recorded):
@@ -160,10 +178,38 @@ def test_no_binary_no_cache(recorded, monkeypatch, returned):
         return None if returned is None else Future()
 
     monkeypatch.setattr(_kernel, "run", dispatch)
+
+    def no_cuda(*args):
+        raise AssertionError("the interpreter has no CUDA to ask")
+
+    monkeypatch.setattr(launcher, "_current_device", no_cuda)
+    monkeypatch.setattr(launcher, "_current_stream", no_cuda)
     x, y = _tensors(7)
     for _ in range(3):
         launcher.run(launch, [x, y, 17, None])
     assert calls == [("triton",)] * 3
+
+
+def test_a_kernel_with_launch_metadata_keeps_tritons_dispatch(recorded, monkeypatch):
+    """Its launch hooks see its arguments, which a direct launch would give as addresses."""
+    launch, calls = recorded
+    monkeypatch.setattr(_kernel, "launch_metadata", lambda grid, metadata, args: {"name": "k"})
+    x, y = _tensors(13)
+    for _ in range(3):
+        launcher.run(launch, [x, y, 17, None])
+    assert [c[0] for c in calls] == ["triton"] * 3 and not launcher._entries
+
+
+def test_a_host_tensor_is_another_key(recorded):
+    """A tensor off the GPU with another tensor's dtype and alignment goes back to Triton's
+    dispatch (which refuses it), not to a binary that would read its host address."""
+    launch, calls = recorded
+    x, y = _tensors(14)
+    launcher.run(launch, [x, y, 17, None])
+    launcher.run(launch, [x, y, 17, None])
+    assert [c[0] for c in calls] == ["triton", "direct"]
+    key = launcher._key(launch, [x, y, 17, None], 0)
+    assert key[2] == (torch.float16, x.data_ptr() % 16 == 0, False)  # host tensors in this test
 
 
 def test_the_least_recently_used_entry_goes_first(recorded, monkeypatch):
@@ -254,6 +300,7 @@ def test_every_plan_launch_passes_what_tritons_binder_passes():
     for plan in _plans():
         for launch in plan.launches:
             assert isinstance(launch.kernel, JITFunction), launch.name
+            assert launch.kernel.launch_metadata is None, launch.name  # else never launched directly
             args = [values[name] for name in launch.args]
             binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, CUDABackend)
             bound, _, _ = binder(*args, **dict(launch.constexprs), **dict(launch.options), debug=False,

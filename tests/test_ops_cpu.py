@@ -597,3 +597,41 @@ def test_rows_not_on_a_16_byte_boundary_are_copied_to_one():
         assert wide.is_contiguous() and wide.stride(0) == 100
         one = aligned_rows(wide)
         assert one.stride(0) == 64 and one.data_ptr() % 16 == 0 and torch.equal(one, wide)
+
+
+def test_the_dense_ops_check_is_skipped_only_for_metadata_it_passed(monkeypatch):
+    """The CUDA dense op remembers the argument metadata (shapes, dtypes, devices, group size) of
+    the calls its check passed and skips the check for those alone: a call that differs in any
+    of them is checked again, and a call that failed is never remembered."""
+    from moe_grouped_decode.ops import cuda
+
+    monkeypatch.setattr(cuda, "_PASSED_DENSE_CHECKS", set())
+    checked = []
+    real_check = cuda.check_moe_args
+    monkeypatch.setattr(cuda, "check_moe_args", lambda *args: checked.append(args[0]) or real_check(*args))
+    E, k, K, N, G = 8, 2, 64, 32, 32
+    weights = synthetic_moe_weights(E, K, N, G, dtype=torch.float16, seed=3)
+    gen = torch.Generator().manual_seed(4)
+
+    def call(M=5, x_dtype=torch.float16, tw_dtype=torch.float32, ids_dtype=torch.int32, w=weights, top_k=k):
+        x = torch.randn(M, K, generator=gen).to(x_dtype)
+        ids = torch.randint(0, E, (M, top_k), generator=gen).to(ids_dtype)
+        cuda._check_dense_args(x, torch.rand(M, top_k, generator=gen).to(tw_dtype), ids, w)
+
+    call()
+    call()  # the same metadata, fresh tensors: not checked again
+    assert len(checked) == 1
+    call(M=6)  # another M: checked (and passes)
+    call(ids_dtype=torch.int64)
+    assert len(checked) == 3
+    bad_scales = AwqMoeWeights(*weights.tensors()[:4], weights.w2_scales.to(torch.bfloat16), weights.w2_qzeros, G)
+    wrong_shape = AwqMoeWeights(weights.w13_qweight[:, :, :-1], *weights.tensors()[1:], G)
+    failing = [dict(x_dtype=torch.float32), dict(tw_dtype=torch.float64), dict(w=bad_scales), dict(w=wrong_shape),
+               dict(w=AwqMoeWeights(*weights.tensors(), 16)), dict(top_k=0)]
+    for case in failing:
+        for _ in range(2):  # a failed check is not remembered
+            with pytest.raises(ValueError, match="awq_moe_dense"):
+                call(**case)
+    assert len(checked) == 3 + 2 * len(failing)
+    call()
+    assert len(checked) == 3 + 2 * len(failing)

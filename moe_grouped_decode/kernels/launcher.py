@@ -12,7 +12,11 @@ which a ``Launch`` fixes. The cache here keys on something finer: the ``Launch``
 current device, each tensor's dtype and alignment, and every other argument's type and exact
 value. A hit is therefore an argument list Triton would have given the same binary, and it is
 launched the way Triton launches it (the compiled kernel's own runner: the current stream, the
-launch hooks). Not part of the key, as they cost host time to read: Triton's debug and
+launch hooks), with each tensor given as its address: the key has read it already, and Triton's
+launcher would otherwise ask the tensor again and the driver whether it is a device address (the
+ops check their tensors' devices; this package's kernels declare no launch metadata, so a launch
+hook sees no arguments; one that declares it keeps Triton's dispatch). The launches of one op call share one query of the current device and
+stream (``Call``). Not part of the key, as they cost host time to read: Triton's debug and
 instrumentation knobs (a binary compiled before one is set keeps running) and the module
 globals a kernel reads (Triton refuses a changed one; the kernels here read constants only).
 
@@ -50,10 +54,57 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
-def _key(launch, args: Sequence) -> Tuple:
-    return (id(launch), _current_device(), *[
-        (arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor) else (type(arg), arg)
+_stream_of = None  # the current stream of a device index, as Triton's runner asks it (set at first use)
+
+
+def _current_stream(device: int):
+    global _stream_of
+    if _stream_of is None:
+        from triton.runtime import driver
+
+        _stream_of = driver.active.get_current_stream
+    return _stream_of(device)
+
+
+class Call:
+    """What the launches of one op call share: the current device and stream, each asked at most
+    once (and not at all where no launch is cached: under the interpreter there is no CUDA)."""
+
+    __slots__ = ("_device", "_stream")
+
+    def __init__(self):
+        self._device = self._stream = None
+
+    def device(self) -> int:
+        if self._device is None:
+            self._device = _current_device()
+        return self._device
+
+    def stream(self):
+        if self._stream is None:
+            self._stream = _current_stream(self.device())
+        return self._stream
+
+
+def _key(launch, args: Sequence, device: int) -> Tuple:
+    return (id(launch), device, *[
+        (arg.dtype, arg.data_ptr() % 16 == 0, arg.is_cuda) if isinstance(arg, torch.Tensor) else (type(arg), arg)
         for arg in args])
+
+
+def _key_and_addresses(launch, args: Sequence, device: int) -> Tuple[Tuple, List]:
+    """``_key`` and the arguments with every tensor replaced by its address, in one pass."""
+    key, plain = [id(launch), device], []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            address = arg.data_ptr()
+            # is_cuda: a host tensor's address is no device address; Triton's dispatch refuses it
+            key.append((arg.dtype, address % 16 == 0, arg.is_cuda))
+            plain.append(address)
+        else:
+            key.append((type(arg), arg))
+            plain.append(arg)
+    return tuple(key), plain
 
 
 def enabled() -> bool:
@@ -65,23 +116,26 @@ def enabled() -> bool:
     return ENABLED
 
 
-def run(launch, args: Sequence):
+def run(launch, args: Sequence, call: Optional[Call] = None):
     """Launch ``launch`` (a plan's ``Launch``) on its runtime ``args``, in the kernel's order;
-    returns the compiled kernel (None under the interpreter)."""
+    returns the compiled kernel (None under the interpreter). ``call``: shared by the launches of
+    one op call (a fresh one when None)."""
     direct = ENABLED if ENABLED is not None else enabled()
+    key = None
     if direct and id(launch) in _cached_launches and not launch.kernel.pre_run_hooks:
-        key = _key(launch, args)
+        call = call or Call()
+        key, addresses = _key_and_addresses(launch, args, call.device())
         entry = _entries.get(key)
         if entry is not None:
             _entries.move_to_end(key)
-            entry[2](*args, *entry[3])
+            entry[2](*addresses, *entry[3], stream=call.stream())
             return entry[1]
-    else:
-        key = None
     compiled = launch.kernel[launch.grid](*args, **dict(launch.constexprs), **dict(launch.options))
+    # a kernel that declares launch metadata shows its arguments to the launch hooks: keep tensors there
     if (direct and isinstance(launch.kernel, JITFunction) and not launch.kernel.pre_run_hooks
+            and getattr(launch.kernel, "launch_metadata", None) is None
             and _launches_directly(compiled) and all(isinstance(arg, _PLAIN) for arg in args)):
-        _remember(key if key is not None else _key(launch, args), launch, compiled, args)
+        _remember(key if key is not None else _key(launch, args, (call or Call()).device()), launch, compiled, args)
     return compiled
 
 

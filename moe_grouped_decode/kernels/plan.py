@@ -361,9 +361,9 @@ def _checked_flag(id_flag: Optional[torch.Tensor], needed: bool) -> Optional[tor
 
 
 def _run(launches, values) -> list:
-    launched = []
+    launched, call = [], launcher.Call()
     for launch in launches:
-        compiled = launcher.run(launch, [values[name] for name in launch.args])
+        compiled = launcher.run(launch, [values[name] for name in launch.args], call)
         if launch.max_shared_carveout:
             prefer_max_shared_carveout(compiled)
         launched.append(compiled)

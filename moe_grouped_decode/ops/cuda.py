@@ -164,11 +164,30 @@ def launch_prefill(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights
                                scratch, out, id_flag)
 
 
+# The argument metadata of dense calls that passed check_moe_args. Outside vLLM's CUDA graphs a step
+# runs one call per layer from Python, and the check costs several times what its key does; it
+# reads nothing but what the key holds (without a workspace, no address either).
+_PASSED_DENSE_CHECKS: set = set()
+MAX_PASSED_CHECKS = 4096  # the set is emptied when full
+
+
+def _check_dense_args(hidden_states, topk_weights, topk_ids, weights: AwqMoeWeights) -> None:
+    key = (hidden_states.shape, hidden_states.dtype, hidden_states.device, topk_weights.shape, topk_weights.dtype,
+           topk_weights.device, topk_ids.shape, topk_ids.dtype, topk_ids.device, weights.group_size,
+           *[(t.shape, t.dtype, t.device) for t in weights.tensors()])
+    if key in _PASSED_DENSE_CHECKS:
+        return
+    check_moe_args("awq_moe_dense", hidden_states, topk_weights, topk_ids, weights)
+    if len(_PASSED_DENSE_CHECKS) >= MAX_PASSED_CHECKS:
+        _PASSED_DENSE_CHECKS.clear()
+    _PASSED_DENSE_CHECKS.add(key)
+
+
 @awq_moe_dense.register_kernel("cuda")
 def awq_moe_dense_cuda(hidden_states, topk_weights, topk_ids, *weight_args):
     """``awq_moe_dense``'s CUDA implementation; callable directly as ``awq_moe_grouped_decode_cuda``."""
     weights = AwqMoeWeights(*weight_args)
-    check_moe_args("awq_moe_dense", hidden_states, topk_weights, topk_ids, weights)
+    _check_dense_args(hidden_states, topk_weights, topk_ids, weights)
     out = hidden_states.new_empty(hidden_states.shape)  # row-major whatever the input's layout
     if hidden_states.shape[0] == 0:
         return out
