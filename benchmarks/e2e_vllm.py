@@ -25,7 +25,8 @@ contract written by hand in ``MOE_GROUPED_DECODE_CONTRACTS``, which the arms
 inherit, gives it a grouped window), and the optional arm ``dispatch`` with
 ``MOE_GROUPED_DECODE_DIRECT_LAUNCH=0`` (as ``on``, every launch through Triton's
 dispatch: the direct launches' share of the host time). Each arm is a fresh Python process; it
-measures, in this order:
+measures, in this order (``--phases`` picks some of decode, ttft, agreement, teacher_forced,
+profile: 2 to 6 below):
 
 1. startup: ``import vllm`` and ``LLM(...)`` wall time, and from vLLM's log the
    model load, the engine init (with compilation) and the CUDA-graph capture;
@@ -47,7 +48,8 @@ measures, in this order:
    each step (those launched between its ``execute_context_*`` annotation and
    the next) are summed. GPU ms per step beside the wall ITL shows a host-bound
    cell: there the GPU idles between steps. Then each ``--ttft-prompts`` prompt
-   again, its prefill step(s) under the profiler: GPU time and top kernels.
+   again, its prefill step(s) under the profiler: GPU time and top kernels, the
+   step's host time, the host ops inside it and its kernel launches.
 
 Everything unprofiled runs before the profiler is first started. The parent
 process builds the checkpoint (on the GPU when there is one: random packed
@@ -127,11 +129,16 @@ EXTRA_ARMS = {
                  "straight to its compiled kernel: beside 'on', the launcher's share of the host time."),
 }
 REPORT_ARMS = ("on", "off")
+PHASES = ("decode", "ttft", "agreement", "teacher_forced", "profile")  # what an arm measures, in this order
 DEFAULT_SHAPE = (512, 10, 2560, 160, 32)  # qwen3.8 at TP4: one rank's shard
 CHECKPOINT_FORMAT = 2  # bump when the generated tensors change
 STEP_RE = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 DEVICE_EVENT_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_EVENT_CATS = ("cuda_runtime", "cuda_driver")
+HOST_EVENT_CATS = ("cpu_op", "user_annotation", "python_function")  # host work inside a step
+# the host ops of one MoE layer's call, either arm's (vLLM's op, or the plugin's same-schema swap)
+MOE_HOST_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared", "moe_grouped_decode::vllm_moe_forward_grouped",
+                "moe_grouped_decode::vllm_moe_forward_shared_grouped")
 # vLLM's default log line format, with milliseconds (the capture phase takes seconds)
 LOG_FORMAT = "%(levelname)s %(asctime)s.%(msecs)03d [%(fileinfo)s:%(lineno)d] %(message)s"
 LOG_LINE_RE = re.compile(
@@ -265,8 +272,39 @@ def load_trace(path: Path) -> List[dict]:
     return data.get("traceEvents", data) if isinstance(data, dict) else data
 
 
+def _number(event: dict, key: str) -> Optional[float]:
+    value = event.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _step_windows(steps: List[dict], key) -> Dict:
+    """Per ``key(step)`` (a pid, or a (pid, tid)), the steps' windows in start order: (starts, ends,
+    step indices). Steps without a duration or without that key's fields have no window."""
+    windows: Dict = {}
+    for index, step in enumerate(steps):
+        start, duration, where = _number(step, "ts"), _number(step, "dur"), key(step)
+        if duration is None or where is None:
+            continue
+        starts, ends, indices = windows.setdefault(where, ([], [], []))
+        starts.append(start)
+        ends.append(start + duration)
+        indices.append(index)
+    return windows
+
+
+def _window_holding(windows: Dict, where, start: float, end: float) -> Optional[int]:
+    """The index of the step whose window on ``where`` holds [start, end], else None."""
+    found = windows.get(where)
+    if found is None:
+        return None
+    starts, ends, indices = found
+    i = bisect.bisect_right(starts, start) - 1
+    return indices[i] if i >= 0 and end <= ends[i] + 1e-3 else None  # ts + dur rounds
+
+
 def decode_steps(events: List[dict]) -> List[dict]:
-    """Each engine step of a torch-profiler trace of a vLLM worker, with the device time it launched.
+    """Each engine step of a torch-profiler trace of a vLLM worker, with the device time it launched
+    and the host time inside it.
 
     A step is one ``execute_context_A(a)_generation_B(b)`` annotation (the worker's
     step marker: A prefill requests of a tokens, B decode requests of b tokens).
@@ -274,19 +312,27 @@ def decode_steps(events: List[dict]) -> List[dict]:
     before the host call that launched it (matched by correlation id), so the
     sampling launched after the forward counts with its step. Per step:
     ``kernel_us`` (device activity, summed), ``span_us`` (first start to last end
-    on the device), ``period_us`` (this step's annotation start to the next one's).
+    on the device), ``period_us`` (this step's annotation start to the next one's),
+    ``host_us`` (the annotation's own duration), ``host_ops`` (name -> [inclusive us,
+    count] of the CPU ops, annotations and Python functions inside the annotation on
+    its process and thread), ``launches`` and ``launch_us`` (the kernel-launch calls
+    inside the annotation on its process, any thread). Events missing a field they
+    need are skipped.
     """
     steps = sorted(
-        (e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and STEP_RE.fullmatch(str(e.get("name", "")))),
-        key=lambda e: e["ts"],
+        (e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+         and STEP_RE.fullmatch(str(e.get("name", ""))) and _number(e, "ts") is not None),
+        key=lambda e: float(e["ts"]),
     )
     starts = [float(s["ts"]) for s in steps]
     step_of_launch = {}
     for event in events:
-        if event.get("cat") in LAUNCH_EVENT_CATS and "correlation" in event.get("args", {}):
-            index = bisect.bisect_right(starts, float(event["ts"])) - 1
+        correlation = (event.get("args") or {}).get("correlation")
+        start = _number(event, "ts")
+        if event.get("cat") in LAUNCH_EVENT_CATS and correlation is not None and start is not None:
+            index = bisect.bisect_right(starts, start) - 1
             if index >= 0:
-                step_of_launch[event["args"]["correlation"]] = index
+                step_of_launch[correlation] = index
     rows = []
     for i, step in enumerate(steps):
         ctx_reqs, ctx_tokens, gen_reqs, gen_tokens = (int(g) for g in STEP_RE.fullmatch(step["name"]).groups())
@@ -294,19 +340,47 @@ def decode_steps(events: List[dict]) -> List[dict]:
             "prefill_requests": ctx_reqs, "prefill_tokens": ctx_tokens, "decode_requests": gen_reqs,
             "decode_tokens": gen_tokens, "kernel_us": 0.0, "first_us": None, "last_us": None,
             "period_us": starts[i + 1] - starts[i] if i + 1 < len(steps) else None, "kernels": {},
+            "host_us": _number(step, "dur"), "host_ops": {}, "launches": 0, "launch_us": 0.0,
         })
     for event in events:
         if event.get("cat") not in DEVICE_EVENT_CATS:
             continue
-        index = step_of_launch.get(event.get("args", {}).get("correlation"))
-        if index is None:
+        index = step_of_launch.get((event.get("args") or {}).get("correlation"))
+        start = _number(event, "ts")
+        if index is None or start is None:
             continue
-        row, start, duration = rows[index], float(event["ts"]), float(event.get("dur", 0.0))
+        row, duration = rows[index], _number(event, "dur") or 0.0
         row["kernel_us"] += duration
         row["first_us"] = start if row["first_us"] is None else min(row["first_us"], start)
         row["last_us"] = start + duration if row["last_us"] is None else max(row["last_us"], start + duration)
         name = str(event.get("name", "?"))
         row["kernels"][name] = row["kernels"].get(name, 0.0) + duration
+    # host work nests inside the step on the thread that runs it; launches may come from any thread
+    # of the worker (the profiler records the runtime calls on the caller's thread)
+    on_thread = _step_windows(steps, lambda s: (s["pid"], s["tid"]) if "pid" in s and "tid" in s else None)
+    on_process = _step_windows(steps, lambda s: s.get("pid"))
+    step_ids = {id(s) for s in steps}
+    for event in events:
+        if event.get("ph") != "X" or id(event) in step_ids:
+            continue
+        cat, name = event.get("cat"), str(event.get("name", "?"))
+        launch = cat in LAUNCH_EVENT_CATS and "Launch" in name
+        if not launch and cat not in HOST_EVENT_CATS:
+            continue
+        start, duration = _number(event, "ts"), _number(event, "dur")
+        if start is None or duration is None:
+            continue
+        if launch:
+            index = _window_holding(on_process, event.get("pid"), start, start + duration)
+            if index is not None:
+                rows[index]["launches"] += 1
+                rows[index]["launch_us"] += duration
+            continue
+        index = _window_holding(on_thread, (event.get("pid"), event.get("tid")), start, start + duration)
+        if index is not None:
+            total = rows[index]["host_ops"].setdefault(name, [0.0, 0])
+            total[0] += duration
+            total[1] += 1
     for row in rows:
         first, last = row.pop("first_us"), row.pop("last_us")
         row["span_us"] = None if first is None else last - first
@@ -336,10 +410,13 @@ def step_summary(rows: List[dict], concurrency: int, top: int = 12) -> dict:
     return summary
 
 
-def prefill_step_summary(rows: List[dict], prompt_tokens: int, top: int = 8) -> dict:
-    """The steps that prefill one ``prompt_tokens``-token prompt (no decode beside it): their GPU
-    kernel time (summed over the steps of one prompt, as a chunked prefill takes several) and the
-    kernels that took it."""
+def prefill_step_summary(rows: List[dict], prompt_tokens: int, top: int = 8, host_top: int = 12) -> dict:
+    """The steps that prefill one ``prompt_tokens``-token prompt (no decode beside it), summed over
+    the steps of one prompt (a chunked prefill takes several): their GPU kernel time and the kernels
+    that took it; their host time (``host_ms``: the step annotations' durations), the host ops
+    inside them (``host_ops``: the ``host_top`` names by total inclusive time, [name, ms, count];
+    ops nest, an annotation holding the ops under it, so these totals overlap and add up to more
+    than ``host_ms``), and the kernel-launch calls made inside them (``launches``, ``launch_ms``)."""
     steps = [r for r in rows if r["prefill_requests"] == 1 and r["decode_requests"] == 0]
     tokens = sum(r["prefill_tokens"] for r in steps)
     totals: Dict[str, float] = {}
@@ -348,11 +425,26 @@ def prefill_step_summary(rows: List[dict], prompt_tokens: int, top: int = 8) -> 
             totals[name] = totals.get(name, 0.0) + us
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
     with_device = [r for r in steps if r["span_us"] is not None]  # none in a CPU trace
+    timed = [r["host_us"] for r in steps if r.get("host_us") is not None]
+    host_totals: Dict[str, List] = {}
+    for r in steps:
+        for name, (us, count) in r.get("host_ops", {}).items():
+            total = host_totals.setdefault(name, [0.0, 0])
+            total[0] += us
+            total[1] += count
+    host_ranked = sorted(host_totals.items(), key=lambda kv: (-kv[1][0], kv[0]))[:host_top]
     return {
         "prompt_tokens": prompt_tokens, "prefill_steps": len(steps), "prefill_tokens": tokens,
         "gpu_kernel_ms": _ms(sum(r["kernel_us"] for r in with_device)) if with_device else None,
         "gpu_span_ms": _ms(sum(r["span_us"] for r in with_device)) if with_device else None,
         "top_kernels": [[name, round(us, 2)] for name, us in ranked],
+        "host_ms": _ms(sum(timed)) if timed else None,
+        # the MoE layers' calls (they do not nest in one another) and, by difference, everything else
+        "moe_host_ms": (_ms(sum(host_totals[name][0] for name in MOE_HOST_OPS if name in host_totals))
+                        if timed and host_totals else None),
+        "host_ops": [[name, round(us / 1000.0, 3), count] for name, (us, count) in host_ranked],
+        "launches": sum(r.get("launches", 0) for r in steps),
+        "launch_ms": _ms(sum(r.get("launch_us", 0.0) for r in steps)),
     }
 
 
@@ -561,13 +653,17 @@ def run_arm(args, arm: str) -> int:
             events, _ = profiled(lambda: generate(token_prompts(1, length, vocab, seed=50_000 + length), greedy(1)))
             summary = prefill_step_summary(decode_steps(events), length)
             prefills.append(summary)
+            top_host = "; ".join(f"{name} {ms} ms x{count}" for name, ms, count in summary["host_ops"][:3])
             progress(arm, f"profile prefill {length} tokens: {summary['prefill_steps']} step(s), GPU "
-                          f"{summary['gpu_kernel_ms']} ms (span {summary['gpu_span_ms']} ms)")
+                          f"{summary['gpu_kernel_ms']} ms (span {summary['gpu_span_ms']} ms), host "
+                          f"{summary['host_ms']} ms, {summary['launches']} launches ({summary['launch_ms']} ms); "
+                          f"top host ops: {top_host or '-'}")
 
-    for name, function in (("decode", decode), ("ttft", ttft), ("agreement", agreement),
-                           ("teacher_forced", teacher_forced), ("profile", profile)):
+    functions = {"decode": decode, "ttft": ttft, "agreement": agreement, "teacher_forced": teacher_forced,
+                 "profile": profile}
+    for name in args.phases:  # in PHASES' order: the profiler starts after everything unprofiled
         progress(arm, f"phase {name}")
-        phase(name, function)
+        phase(name, functions[name])
     progress(arm, "done" + (f" with errors: {result['errors']}" if result["errors"] else ""))
     save()
     shutil.rmtree(profile_dir, ignore_errors=True)
@@ -781,10 +877,10 @@ def compare_decode(arms: dict, a: str, b: str) -> List[dict]:
         for arm in (a, b):
             p, row = profiles[arm].get(c), cell[arm]
             if p is not None:
-                row["gpu_ms_per_step"] = p["gpu_kernel_ms"]
-                row["gpu_span_ms"] = p["gpu_span_ms"]
-                row["host_period_ms"] = p["host_period_ms"]
-                row["gpu_busy"] = round(p["gpu_kernel_ms"] / row["itl_ms"], 3) if p["gpu_kernel_ms"] else None
+                row["gpu_ms_per_step"] = p.get("gpu_kernel_ms")
+                row["gpu_span_ms"] = p.get("gpu_span_ms")
+                row["host_period_ms"] = p.get("host_period_ms")
+                row["gpu_busy"] = round(p["gpu_kernel_ms"] / row["itl_ms"], 3) if p.get("gpu_kernel_ms") else None
         if cell[a].get("gpu_ms_per_step") and cell[b].get("gpu_ms_per_step"):
             cell[f"gpu_{b}_over_{a}"] = round(cell[b]["gpu_ms_per_step"] / cell[a]["gpu_ms_per_step"], 3)
         decode.append(cell)
@@ -806,22 +902,46 @@ def ttft_parts(metrics) -> dict:
     return {"queued": 1000 * queued, "scheduled_to_token": 1000 * scheduled_to_token, "outside_core": 1000 * outside}
 
 
+def _moe_host_ms(prefill: dict) -> Optional[float]:
+    """A profiled prefill's MoE host ms: its own field, else (an arm file from before the field)
+    the MoE ops among its top host ops, where there are any (a lower bound if some MoE op fell
+    outside them)."""
+    if prefill.get("moe_host_ms") is not None:
+        return prefill["moe_host_ms"]
+    found = [ms for name, ms, _ in prefill.get("host_ops") or [] if name in MOE_HOST_OPS]
+    return round(sum(found), 4) if found and prefill.get("host_ms") is not None else None
+
+
 def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
-    ttft = []
-    b_ttft = _by(arms[b], "ttft", "prompt_tokens")
-    for length, row_a in _by(arms[a], "ttft", "prompt_tokens").items():
-        if length in b_ttft:
-            ttft.append({"prompt_tokens": length, f"{a}_ms": row_a["ttft_ms"], f"{b}_ms": b_ttft[length]["ttft_ms"],
-                         f"{a}_over_{b}": round(row_a["ttft_ms"] / b_ttft[length]["ttft_ms"], 3),
-                         f"{a}_repeats": row_a["ttft_ms_repeats"], f"{b}_repeats": b_ttft[length]["ttft_ms_repeats"]})
-    for cell in ttft:
+    """Per prompt length, the time to first token of arm ``a`` against arm ``b`` and each arm's
+    profiled prefill; a length profiled in both arms but not timed in both comes with its TTFT
+    fields None (an arm run with only some ``--phases``)."""
+    ttft = {arm: _by(arms[arm], "ttft", "prompt_tokens") for arm in (a, b)}
+    prefill = {arm: _by(arms[arm], "profile_prefill", "prompt_tokens") for arm in (a, b)}
+    timed = [n for n in ttft[a] if n in ttft[b]]
+    profiled_only = [n for n in prefill[a] if n in prefill[b] and n not in timed]
+    cells = []
+    for length in sorted(timed + profiled_only):
+        row_a, row_b = ttft[a].get(length), ttft[b].get(length)
+        if row_a is not None and row_b is not None:
+            cell = {"prompt_tokens": length, f"{a}_ms": row_a["ttft_ms"], f"{b}_ms": row_b["ttft_ms"],
+                    f"{a}_over_{b}": round(row_a["ttft_ms"] / row_b["ttft_ms"], 3),
+                    f"{a}_repeats": row_a.get("ttft_ms_repeats"), f"{b}_repeats": row_b.get("ttft_ms_repeats")}
+        else:
+            cell = {"prompt_tokens": length, f"{a}_ms": None, f"{b}_ms": None, f"{a}_over_{b}": None,
+                    f"{a}_repeats": None, f"{b}_repeats": None}
         for arm in (a, b):
-            cell[f"{arm}_parts_ms"] = _by(arms[arm], "ttft", "prompt_tokens")[cell["prompt_tokens"]].get("parts_ms")
-            p = _by(arms[arm], "profile_prefill", "prompt_tokens").get(cell["prompt_tokens"])
+            cell[f"{arm}_parts_ms"] = (ttft[arm].get(length) or {}).get("parts_ms")
+            p = prefill[arm].get(length)
             if p is not None:
-                cell[f"{arm}_gpu_ms"] = p["gpu_kernel_ms"]
-                cell[f"{arm}_top_kernels"] = p["top_kernels"]
-    return ttft
+                cell[f"{arm}_gpu_ms"] = p.get("gpu_kernel_ms")
+                cell[f"{arm}_top_kernels"] = p.get("top_kernels")
+                cell[f"{arm}_host_ms"] = p.get("host_ms")
+                cell[f"{arm}_moe_host_ms"] = _moe_host_ms(p)
+                cell[f"{arm}_launches"] = p.get("launches")
+                cell[f"{arm}_host_ops"] = p.get("host_ops")
+        cells.append(cell)
+    return cells
 
 
 def build_report(out: Path, meta: dict) -> dict:
@@ -892,37 +1012,94 @@ def decode_table(cells: List[dict], a: str, b: str, host_bound_below: float) -> 
     return lines
 
 
+def _cell_name(name: str, width: int) -> str:
+    """A name fit for a markdown table cell."""
+    return name[:width].replace("|", "\\|")
+
+
+def host_ops_table(cell: dict, a: str, b: str) -> List[str]:
+    """One prompt length's top host ops of both arms side by side (the union of each arm's top
+    names, largest first by the larger of the two)."""
+    ops = {arm: {row[0]: row[1:] for row in cell.get(f"{arm}_host_ops") or []} for arm in (a, b)}
+    names = sorted(set(ops[a]) | set(ops[b]),
+                   key=lambda n: (-max(ops[a].get(n, [0.0])[0], ops[b].get(n, [0.0])[0]), n))
+    if not names:
+        return []
+    lines = [f"| {cell['prompt_tokens']}-token prompt: host op | {a} ms | {a} count | {b} ms | {b} count |",
+             "| --- | --- | --- | --- | --- |"]
+    for name in names:
+        (ms_a, count_a), (ms_b, count_b) = (ops[arm].get(name, (None, None)) for arm in (a, b))
+        lines.append(f"| {_cell_name(name, 70)} | {_fmt(ms_a, 3)} | {_fmt(count_a)} | {_fmt(ms_b, 3)} | {_fmt(count_b)} |")
+    return lines
+
+
 def ttft_tables(cells: List[dict], a: str, b: str) -> List[str]:
-    lines = [f"| prompt tokens | {a} ms | {b} ms | {a}/{b} | {a} runs | {b} runs |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for cell in cells:
-        lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell[f'{a}_ms'], 2)} | {_fmt(cell[f'{b}_ms'], 2)} | "
-                     f"{_fmt(cell[f'{a}_over_{b}'], 3)} | {cell[f'{a}_repeats']} | {cell[f'{b}_repeats']} |")
-    if any(cell.get(f"{a}_parts_ms") and cell.get(f"{b}_parts_ms") for cell in cells):
+    timed = [cell for cell in cells if cell.get(f"{a}_ms") is not None]
+    lines = []
+    if timed:
+        lines += [f"| prompt tokens | {a} ms | {b} ms | {a}/{b} | {a} runs | {b} runs |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for cell in timed:
+            lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell[f'{a}_ms'], 2)} | {_fmt(cell[f'{b}_ms'], 2)} | "
+                         f"{_fmt(cell[f'{a}_over_{b}'], 3)} | {cell[f'{a}_repeats']} | {cell[f'{b}_repeats']} |")
+    if any(cell.get(f"{a}_parts_ms") and cell.get(f"{b}_parts_ms") for cell in timed):
         lines += ["", "Where the time to first token went (medians, ms, from vLLM's per-request timestamps): waiting "
                   "in the engine core's queue, from being scheduled to the first token, and outside the engine "
                   "core (front end, input and output paths):", "",
                   f"| prompt tokens | {a} queued | {b} queued | {a} scheduled to token | {b} scheduled to token | "
                   f"{a} outside core | {b} outside core |", "| --- | --- | --- | --- | --- | --- | --- |"]
-        for cell in cells:
+        for cell in timed:
             pa, pb = cell.get(f"{a}_parts_ms") or {}, cell.get(f"{b}_parts_ms") or {}
             lines.append(f"| {cell['prompt_tokens']} | "
                          + " | ".join(f"{_fmt(pa.get(k), 2)} | {_fmt(pb.get(k), 2)}" for k in TTFT_PARTS) + " |")
-    if any(cell.get(f"{a}_gpu_ms") is not None for cell in cells):
-        lines += ["", "The prefill of one prompt under the torch profiler (GPU kernel time of its step(s), and the "
-                  "kernels that took most of it, ms):", "",
-                  f"| prompt tokens | {a} GPU ms | {b} GPU ms | {a} top kernels | {b} top kernels |",
-                  "| --- | --- | --- | --- | --- |"]
-        for cell in cells:
-            def top(kernels):
-                return "; ".join(f"{name[:40]} {us / 1000:.2f}" for name, us in (kernels or [])[:4]) or "-"
+    profiled = [cell for cell in cells
+                if any(cell.get(f"{arm}_{key}") is not None for arm in (a, b) for key in ("gpu_ms", "host_ms"))]
+    if profiled:
+        if lines:
+            lines.append("")
+        lines += ["The prefill of one prompt under the torch profiler: GPU kernel time of its step(s), their "
+                  "host time (the step annotations' duration; host ms well above GPU ms: a host-bound step), the "
+                  "kernel launches the host made in them, and the kernels that took most of the GPU time, ms:", "",
+                  f"| prompt tokens | {a} GPU ms | {b} GPU ms | {a} host ms | {b} host ms | {a} launches | "
+                  f"{b} launches | {a} top kernels | {b} top kernels |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
+        def top(kernels):
+            return "; ".join(f"{_cell_name(name, 40)} {us / 1000:.2f}" for name, us in (kernels or [])[:4]) or "-"
+
+        for cell in profiled:
             lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell.get(f'{a}_gpu_ms'), 3)} | {_fmt(cell.get(f'{b}_gpu_ms'), 3)} | "
+                         f"{_fmt(cell.get(f'{a}_host_ms'), 3)} | {_fmt(cell.get(f'{b}_host_ms'), 3)} | "
+                         f"{_fmt(cell.get(f'{a}_launches'))} | {_fmt(cell.get(f'{b}_launches'))} | "
                          f"{top(cell.get(f'{a}_top_kernels'))} | {top(cell.get(f'{b}_top_kernels'))} |")
+        split = [cell for cell in profiled if all(cell.get(f"{arm}_{key}") is not None
+                                                   for arm in (a, b) for key in ("host_ms", "moe_host_ms"))]
+        if split:
+            lines += ["", "The step's host time split: the MoE layers' calls (their ops' inclusive time) and everything "
+                      "else, ms. Everything else is the same work in both arms: its ratio away from 1 says the two "
+                      "arms' hosts ran at different speeds, which then weighs on their MoE calls too:", "",
+                      f"| prompt tokens | {a} MoE | {b} MoE | {a} rest | {b} rest | rest {a}/{b} |",
+                      "| --- | --- | --- | --- | --- | --- |"]
+            for cell in split:
+                rest = {arm: cell[f"{arm}_host_ms"] - cell[f"{arm}_moe_host_ms"] for arm in (a, b)}
+                ratio = rest[a] / rest[b] if rest[b] > 0 else None
+                lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell[f'{a}_moe_host_ms'], 3)} | "
+                             f"{_fmt(cell[f'{b}_moe_host_ms'], 3)} | {_fmt(rest[a], 3)} | {_fmt(rest[b], 3)} | "
+                             f"{_fmt(ratio, 3)} |")
+        host_tables = [host_ops_table(cell, a, b) for cell in profiled]
+        if any(host_tables):
+            lines += ["", "Where the host time of the prefill step(s) went: the CPU ops and annotations inside the "
+                      "step on its thread, inclusive ms (an op's time holds the ops under it, so these overlap) and "
+                      "calls; each arm's top names:"]
+            for table in host_tables:
+                if table:
+                    lines += [""] + table
     return lines
 
 
 def agreement_lines(agree: dict, a: str, b: str) -> List[str]:
+    if not agree.get("sequences"):
+        return [f"Greedy agreement ({a} vs {b}): not measured (no greedy sequences in the arm files)."]
     lines = [f"Greedy agreement ({a} vs {b}): {agree['identical']} of {agree['sequences']} sequences identical over "
              f"{agree['tokens_per_sequence']} tokens. At each divergence, the top-2 margin (logprob of the first "
              "minus the second) in each run; 'swapped' when both runs rank the same two tokens, in opposite order "
@@ -961,25 +1138,28 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         f"Device: {report['device']}; vLLM {(report['versions'] or {}).get('vllm')}, torch {(report['versions'] or {}).get('torch')}.",
         f"MoE shape: {meta.get('name')} (E,k,K,N,G = {','.join(map(str, shape)) if shape else '?'}); architecture "
         f"{meta.get('architecture')}; dtype {meta.get('dtype')}.",
-        f"Model: {meta['model']}.",
+        f"Model: {meta.get('model')}.",
         f"Engine (on): {report['engine'].get('on')}.",
-        f"Command: `{meta['command']}`.", "",
+        f"Command: `{meta.get('command')}`.", "",
         "MoE layers served by (the plugin's startup lines; where the plugin leaves a shape to vLLM, 'on' runs "
         "vLLM's own backend as 'off' does):", "",
     ]
     lines += [f"- {arm}: " + "; ".join(served) for arm, served in report.get("moe_backends", {}).items()]
-    lines += [
-        "",
-        f"Decode: C requests at once, {meta['decode_prompt']}-token prompts, {meta['decode_tokens']} greedy tokens each, "
-        f"median of {meta['repeats']} run(s); ITL from vLLM's per-request engine timestamps, tok/s = C / ITL. "
-        f"GPU ms/step: CUDA kernel time summed per pure decode step under the torch profiler "
-        f"({meta['profile_tokens']} tokens per request); busy = GPU ms / ITL, below {host_bound_below} the step is "
-        "host-bound (the GPU waits for the host).", "",
-    ]
-    lines += decode_table(report["decode"], "on", "off", host_bound_below)
-    lines += ["", f"Time to first token, one request at a time, prefix caching off (median of {meta['repeats']}; "
-              "every run in brackets):", ""]
-    lines += ttft_tables(report["ttft"], "on", "off")
+    if report["decode"]:
+        lines += [
+            "",
+            f"Decode: C requests at once, {meta.get('decode_prompt')}-token prompts, {meta.get('decode_tokens')} greedy "
+            f"tokens each, median of {meta.get('repeats')} run(s); ITL from vLLM's per-request engine timestamps, "
+            "tok/s = C / ITL. GPU ms/step: CUDA kernel time summed per pure decode step under the torch profiler "
+            f"({meta.get('profile_tokens')} tokens per request); busy = GPU ms / ITL, below {host_bound_below} the "
+            "step is host-bound (the GPU waits for the host).", "",
+        ]
+        lines += decode_table(report["decode"], "on", "off", host_bound_below)
+    if report["ttft"]:
+        if any(cell.get("on_ms") is not None for cell in report["ttft"]):
+            lines += ["", f"Time to first token, one request at a time, prefix caching off (median of "
+                      f"{meta.get('repeats')}; every run in brackets):"]
+        lines += [""] + ttft_tables(report["ttft"], "on", "off")
     rows = [("import vllm, s", "import_s"), ("LLM(...) wall, s", "startup_s"), ("model load, s", "load_s"),
             ("engine init (profile, KV cache, warmup, capture), s", "init_engine_s"), ("compilation, s", "compile_s"),
             ("CUDA-graph capture, s (log timestamps)", "capture_s"), ("CUDA-graph capture, s (vLLM's rounded line)", "capture_s_vllm"),
@@ -1003,9 +1183,11 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         part = report.get(extra)
         if not part:
             continue
-        lines += ["", f"## {heading}", "", what, ""]
-        lines += decode_table(part["decode"], extra, "off", host_bound_below)
-        lines += [""] + ttft_tables(part["ttft"], extra, "off")
+        lines += ["", f"## {heading}", "", what]
+        if part["decode"]:
+            lines += [""] + decode_table(part["decode"], extra, "off", host_bound_below)
+        if part["ttft"]:
+            lines += [""] + ttft_tables(part["ttft"], extra, "off")
         if part.get("ttft_on"):
             lines += ["", f"Time to first token, on against {extra}:", ""] + ttft_tables(part["ttft_on"], "on", extra)
         lines += [""] + teacher_forced_lines(part.get("teacher_forced") or {}, extra, "off")
@@ -1038,31 +1220,42 @@ def plot(report: dict, path: Path) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError as error:
         return f"no plot: {error}"
+    timed = [cell for cell in report["ttft"] if cell.get("on_ms") is not None]  # not the cells only profiled
+    if not report["decode"] and not timed:
+        return "no plot: no decode or TTFT cells"
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    cs = [cell["concurrency"] for cell in report["decode"]]
-    series = [("on", "tab:blue", report["decode"]), ("off", "tab:orange", report["decode"])]
-    for extra, color in (("force", "tab:green"), ("dispatch", "tab:purple")):
-        if report.get(extra):
-            series.append((extra, color, report[extra]["decode"]))
-    for arm, color, cells in series:
-        left.plot([cell["concurrency"] for cell in cells], [cell[arm]["tok_s"] for cell in cells], "o-", color=color,
-                  label=f"{arm}: wall clock")
-        bound = [(cell["concurrency"], 1000 * cell["concurrency"] / cell[arm]["gpu_ms_per_step"])
-                 for cell in cells if cell[arm].get("gpu_ms_per_step")]
-        if bound:
-            left.plot(*zip(*bound), "x--", color=color, alpha=0.6, label=f"{arm}: C / GPU time per step")
-    left.set(xscale="log", yscale="log", xlabel="concurrent requests C", ylabel="decode tokens/s", title="decode")
-    left.set_xticks(cs, [str(c) for c in cs])
-    left.set_xticks([], minor=True)
-    left.legend(fontsize=8)
-    lengths = [cell["prompt_tokens"] for cell in report["ttft"]]
-    width = 0.38
-    xs = range(len(lengths))
-    right.bar([x - width / 2 for x in xs], [cell["on_ms"] for cell in report["ttft"]], width, label="on", color="tab:blue")
-    right.bar([x + width / 2 for x in xs], [cell["off_ms"] for cell in report["ttft"]], width, label="off", color="tab:orange")
-    right.set_xticks(list(xs), [str(n) for n in lengths])
-    right.set(xlabel="prompt tokens", ylabel="time to first token, ms", title="prefill")
-    right.legend(fontsize=8)
+    if report["decode"]:
+        cs = [cell["concurrency"] for cell in report["decode"]]
+        series = [("on", "tab:blue", report["decode"]), ("off", "tab:orange", report["decode"])]
+        for extra, color in (("force", "tab:green"), ("dispatch", "tab:purple")):
+            if report.get(extra) and report[extra]["decode"]:
+                series.append((extra, color, report[extra]["decode"]))
+        for arm, color, cells in series:
+            left.plot([cell["concurrency"] for cell in cells], [cell[arm]["tok_s"] for cell in cells], "o-",
+                      color=color, label=f"{arm}: wall clock")
+            bound = [(cell["concurrency"], 1000 * cell["concurrency"] / cell[arm]["gpu_ms_per_step"])
+                     for cell in cells if cell[arm].get("gpu_ms_per_step")]
+            if bound:
+                left.plot(*zip(*bound), "x--", color=color, alpha=0.6, label=f"{arm}: C / GPU time per step")
+        left.set(xscale="log", yscale="log", xlabel="concurrent requests C", ylabel="decode tokens/s", title="decode")
+        left.set_xticks(cs, [str(c) for c in cs])
+        left.set_xticks([], minor=True)
+        left.legend(fontsize=8)
+    else:
+        left.set_axis_off()
+        left.set_title("decode: not measured")
+    if timed:
+        lengths = [cell["prompt_tokens"] for cell in timed]
+        width = 0.38
+        xs = range(len(lengths))
+        right.bar([x - width / 2 for x in xs], [cell["on_ms"] for cell in timed], width, label="on", color="tab:blue")
+        right.bar([x + width / 2 for x in xs], [cell["off_ms"] for cell in timed], width, label="off", color="tab:orange")
+        right.set_xticks(list(xs), [str(n) for n in lengths])
+        right.set(xlabel="prompt tokens", ylabel="time to first token, ms", title="prefill")
+        right.legend(fontsize=8)
+    else:
+        right.set_axis_off()
+        right.set_title("time to first token: not measured")
     meta = report["meta"]
     figure.suptitle(f"plugin on vs off inside vLLM {(report['versions'] or {}).get('vllm')}, {report['device']}: "
                     f"{meta.get('name')} ({meta.get('architecture')}, {meta.get('dtype')})", fontsize=10)
@@ -1151,6 +1344,13 @@ def parse_args(argv=None):
             raise argparse.ArgumentTypeError(f"{text!r}: give E,k,K,N,G (five integers)")
         return values
 
+    def phases(text):
+        names = [x for x in text.split(",") if x]
+        unknown = [x for x in names if x not in PHASES]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: give some of {','.join(PHASES)}")
+        return [x for x in PHASES if x in names]  # the profiled phase last, whatever the order given
+
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--arms", default="on,off", help="which arms to run now: on, off, force, dispatch (the report "
                         "needs the on and off arm files in --out; force and dispatch are added where their files are "
@@ -1167,6 +1367,8 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 48; --smoke: 2)")
     parser.add_argument("--concurrency", type=ints, default=None, help="decode cells (default 1,2,4,8,16,32,64)")
     parser.add_argument("--profile-concurrency", type=ints, default=None, help="profiled cells (default: --concurrency)")
+    parser.add_argument("--phases", type=phases, default=list(PHASES), help="what each arm measures, a comma-"
+                        f"separated subset of {','.join(PHASES)} (default: all; always run in that order)")
     parser.add_argument("--ttft-prompts", type=ints, default=None, help="TTFT prompt lengths (default 512,2048,8192)")
     parser.add_argument("--decode-prompt", type=int, default=None, help="prompt tokens of a decode request (default 128)")
     parser.add_argument("--decode-tokens", type=int, default=None, help="greedy tokens per decode request (default 128)")
@@ -1251,9 +1453,9 @@ def main(argv=None) -> int:
         "architecture": spec.architecture,
         "dtype": args.dtype,
         "model": describe_model(spec),
-        **{k: getattr(args, k) for k in ("decode_prompt", "decode_tokens", "profile_tokens", "repeats", "agree_seqs",
-                                           "agree_tokens", "tf_seqs", "tf_tokens", "concurrency", "ttft_prompts",
-                                           "max_model_len", "layers")},
+        **{k: getattr(args, k) for k in ("phases", "decode_prompt", "decode_tokens", "profile_tokens", "repeats",
+                                           "agree_seqs", "agree_tokens", "tf_seqs", "tf_tokens", "concurrency",
+                                           "ttft_prompts", "max_model_len", "layers")},
         "kernel_table_concurrency": 8 if 8 in args.profile_concurrency else args.profile_concurrency[0],
     }
     rc = 0

@@ -59,8 +59,8 @@ def test_checkpoint_is_written_once_and_reused(e2e, tmp_path):
         e2e.build_checkpoint(tmp_path / "other", spec, 256, "cpu")
 
 
-def _event(cat, name, ts, dur=0.0, correlation=None, ph="X"):
-    event = {"ph": ph, "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1, "args": {}}
+def _event(cat, name, ts, dur=0.0, correlation=None, ph="X", pid=1, tid=1):
+    event = {"ph": ph, "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": {}}
     if correlation is not None:
         event["args"]["correlation"] = correlation
     return event
@@ -103,6 +103,106 @@ def test_decode_steps_attributes_kernels_to_the_step_that_launched_them(e2e):
     assert cpu["decode_steps"] == 2 and cpu["gpu_kernel_ms"] is None
     cpu_prefill = e2e.prefill_step_summary(cpu_rows, 16)
     assert cpu_prefill["prefill_steps"] == 1 and cpu_prefill["gpu_kernel_ms"] is None
+
+
+PREFILL_512 = "execute_context_1(512)_generation_0(0)"
+
+
+def _host_trace():
+    """A prefill step [1000, 3000] us and a decode step [4000, 4500] us on pid 1, tid 1, with host
+    ops and launches inside, across and outside them."""
+    no_dur = _event("cpu_op", "aten::no_duration", 1400)
+    del no_dur["dur"]
+    return [
+        _event("user_annotation", PREFILL_512, 1000, 2000),
+        _event("user_annotation", "execute_context_0(0)_generation_1(1)", 4000, 500),
+        # inside the prefill step, on its thread
+        _event("user_annotation", "gpu_model_runner: forward", 1100, 1500),
+        _event("python_function", "model.py(42): forward", 1150, 1400),
+        _event("cpu_op", "aten::mm", 1200, 300),
+        _event("cpu_op", "aten::mm", 1600, 100),
+        _event("cpu_op", "aten::empty", 1000, 10),  # starts with the step
+        # not counted: past the step's end, another thread, another process, between steps, no duration,
+        # not a complete event
+        _event("cpu_op", "aten::add", 2900, 200),
+        _event("cpu_op", "aten::mm", 1300, 50, tid=2),
+        _event("cpu_op", "aten::mm", 1300, 50, pid=2),
+        _event("cpu_op", "aten::copy_", 3500, 100),
+        no_dur,
+        _event("cpu_op", "aten::instant", 1400, ph="i"),
+        # inside the decode step
+        _event("cpu_op", "aten::mm", 4100, 80),
+        # launches: the step's process, any thread; a runtime call that launches nothing is no launch
+        _event("cuda_runtime", "cudaLaunchKernel", 1250, 10, correlation=1),
+        _event("cuda_runtime", "cudaLaunchKernel", 1700, 20, correlation=2, tid=2),
+        _event("cuda_driver", "cuLaunchKernelEx", 1800, 5, correlation=3),
+        _event("cuda_runtime", "cudaStreamSynchronize", 2500, 40),
+        _event("cuda_runtime", "cudaLaunchKernel", 1260, 10, correlation=9, pid=2),
+        _event("cuda_runtime", "cudaLaunchKernel", 4200, 8, correlation=4),
+        _event("kernel", "gemm", 1300, 300, correlation=1, tid=7),
+        _event("kernel", "attention", 1700, 100, correlation=2, tid=7),
+        _event("kernel", "moe", 1850, 50, correlation=3, tid=7),
+        _event("kernel", "decode_gemm", 4300, 40, correlation=4, tid=7),
+    ]
+
+
+def test_prefill_step_host_time_ops_and_launches(e2e):
+    rows = e2e.decode_steps(_host_trace())
+    assert rows[1]["host_us"] == 500.0 and rows[1]["host_ops"] == {"aten::mm": [80.0, 1]}
+    assert (rows[1]["launches"], rows[1]["launch_us"]) == (1, 8.0)
+    summary = e2e.prefill_step_summary(rows, 512)
+    assert summary == {
+        "prompt_tokens": 512, "prefill_steps": 1, "prefill_tokens": 512,
+        "gpu_kernel_ms": 0.45, "gpu_span_ms": 0.6,  # kernels from 1300 to 1900 us
+        "top_kernels": [["gemm", 300.0], ["attention", 100.0], ["moe", 50.0]],
+        "host_ms": 2.0,
+        # inclusive: the forward annotation holds the Python function, which holds the aten ops
+        "host_ops": [["gpu_model_runner: forward", 1.5, 1], ["model.py(42): forward", 1.4, 1], ["aten::mm", 0.4, 2],
+                     ["aten::empty", 0.01, 1]],
+        "moe_host_ms": 0.0,  # no MoE call in this trace
+        "launches": 3, "launch_ms": 0.035,
+    }
+    assert e2e.prefill_step_summary(rows, 512, host_top=2)["host_ops"] == [
+        ["gpu_model_runner: forward", 1.5, 1], ["model.py(42): forward", 1.4, 1]]
+
+
+def test_prefill_host_time_split_into_moe_calls_and_the_rest(e2e, tmp_path):
+    """The MoE layers' calls (vLLM's op or the plugin's swap) apart from the rest of the step, in
+    the summary and in the report, where an arm file from before the field gives it through its
+    top host ops; the rest's ratio between the arms."""
+    trace = _host_trace() + [
+        _event("cpu_op", "vllm::moe_forward", 1720, 50),
+        _event("cpu_op", "moe_grouped_decode::vllm_moe_forward_grouped", 1800, 30),
+        _event("cpu_op", "vllm::moe_forward", 3500, 100),  # between the steps: not counted
+    ]
+    summary = e2e.prefill_step_summary(e2e.decode_steps(trace), 512)
+    assert summary["moe_host_ms"] == 0.08 and summary["host_ms"] == 2.0
+    older = dict(summary, host_ops=[["vllm::moe_forward", 0.5, 48], ["aten::mm", 0.3, 96]])
+    del older["moe_host_ms"]
+    for name, prefill in (("on", summary), ("off", older)):
+        (tmp_path / f"arm-{name}.json").write_text(json.dumps({"profile_prefill": [prefill]}))
+    report = e2e.build_report(tmp_path, {"command": "e2e_vllm.py --phases profile"})
+    (cell,) = report["ttft"]
+    assert (cell["on_moe_host_ms"], cell["off_moe_host_ms"]) == (0.08, 0.5)
+    text = e2e.markdown(report)
+    assert "| prompt tokens | on MoE | off MoE | on rest | off rest | rest on/off |" in text
+    assert "| 512 | 0.080 | 0.500 | 1.920 | 1.500 | 1.280 |" in text
+
+
+def test_prefill_step_host_time_without_steps_or_fields(e2e):
+    no_steps = [e for e in _host_trace() if not e2e.STEP_RE.fullmatch(e["name"])]
+    summary = e2e.prefill_step_summary(e2e.decode_steps(no_steps), 512)
+    assert (summary["prefill_steps"], summary["host_ms"], summary["host_ops"], summary["launches"],
+            summary["launch_ms"], summary["gpu_kernel_ms"]) == (0, None, [], 0, 0.0, None)
+    # a step annotation without its thread: its duration, no ops; without a duration: no host time
+    no_thread = _host_trace()
+    del no_thread[0]["tid"]
+    summary = e2e.prefill_step_summary(e2e.decode_steps(no_thread), 512)
+    assert (summary["host_ms"], summary["host_ops"], summary["launches"]) == (2.0, [], 3)
+    no_duration = _host_trace()
+    del no_duration[0]["dur"]
+    summary = e2e.prefill_step_summary(e2e.decode_steps(no_duration), 512)
+    assert (summary["prefill_steps"], summary["host_ms"], summary["host_ops"], summary["launches"]) == (1, None, [], 0)
 
 
 LOG = """\
@@ -194,9 +294,16 @@ def _arm(arm, tok_s, gpu_ms, ttft_ms, teacher_forced=None):
         "agreement": [_sequence([1, 2], [[[1, -0.1], [3, -1.0]], [[2, -0.1], [3, -1.0]]])],
         "profile": [{"concurrency": c, "gpu_kernel_ms": g, "gpu_span_ms": g, "host_period_ms": 2.5,
                      "top_kernels": [[f"kernel_{arm}", 1000 * g]]} for c, g in gpu_ms.items()],
-        "profile_prefill": [{"prompt_tokens": n, "prefill_steps": 1, "prefill_tokens": n, "gpu_kernel_ms": v / 2,
-                             "gpu_span_ms": v / 2, "top_kernels": [[f"gemm_{arm}", 500 * v]]} for n, v in ttft_ms.items()],
+        "profile_prefill": [_prefill(arm, n, v) for n, v in ttft_ms.items()],
     }
+
+
+def _prefill(arm, prompt_tokens, ttft_ms):
+    """A profiled prefill as an arm saves it: GPU half the TTFT, host twice the GPU."""
+    return {"prompt_tokens": prompt_tokens, "prefill_steps": 1, "prefill_tokens": prompt_tokens,
+            "gpu_kernel_ms": ttft_ms / 2, "gpu_span_ms": ttft_ms / 2, "top_kernels": [[f"gemm_{arm}", 500 * ttft_ms]],
+            "host_ms": ttft_ms, "host_ops": [["aten::mm", ttft_ms / 4, 48], [f"only_{arm}", ttft_ms / 8, 1]],
+            "launches": prompt_tokens, "launch_ms": ttft_ms / 10}
 
 
 def test_ttft_parts_add_up_to_the_latency(e2e):
@@ -224,6 +331,10 @@ def test_report_files_from_made_up_arms(e2e, tmp_path):
     assert report["ttft"][0] == {"prompt_tokens": 512, "on_ms": 20.0, "off_ms": 15.0, "on_over_off": 1.333,
                                  "on_repeats": [20.0], "off_repeats": [15.0], "on_gpu_ms": 10.0, "off_gpu_ms": 7.5,
                                  "on_top_kernels": [["gemm_on", 10000.0]], "off_top_kernels": [["gemm_off", 7500.0]],
+                                 "on_host_ms": 20.0, "off_host_ms": 15.0, "on_launches": 512, "off_launches": 512,
+                                 "on_moe_host_ms": None, "off_moe_host_ms": None,  # no MoE op among the top ones
+                                 "on_host_ops": [["aten::mm", 5.0, 48], ["only_on", 2.5, 1]],
+                                 "off_host_ops": [["aten::mm", 3.75, 48], ["only_off", 1.875, 1]],
                                  "on_parts_ms": {"queued": 0.5, "scheduled_to_token": 17.0, "outside_core": 2.5},
                                  "off_parts_ms": {"queued": 0.5, "scheduled_to_token": 12.0, "outside_core": 2.5}}
     assert report["startup"]["on"]["capture_s"] == 12.5 and "capture_s" not in report["startup"]["off"]  # no log
@@ -232,7 +343,11 @@ def test_report_files_from_made_up_arms(e2e, tmp_path):
     assert "| 8 | 3000.0 | 2500.0 | 1.200 | 2.667 | 3.200 | 0.650 | 0.770 | 1.185 | 0.24 host-bound | 0.24 host-bound |" in text
     assert "| 1 | 400.0 | 410.0 | 0.976 | 2.500 | 2.439 | 2.400 | 2.300 | 0.958 | 0.96 | 0.94 |" in text
     assert "| 512 | 20.00 | 15.00 | 1.333 | [20.0] | [15.0] |" in text
-    assert "| 512 | 10.000 | 7.500 | gemm_on 10.00 | gemm_off 7.50 |" in text
+    assert "| 512 | 10.000 | 7.500 | 20.000 | 15.000 | 512 | 512 | gemm_on 10.00 | gemm_off 7.50 |" in text
+    # the host ops of both arms side by side, largest first by the larger of the two
+    assert ("| 512-token prompt: host op | on ms | on count | off ms | off count |\n| --- | --- | --- | --- | --- |\n"
+            "| aten::mm | 5.000 | 48 | 3.750 | 48 |\n| only_on | 2.500 | 1 | - | - |\n| only_off | - | - | 1.875 | 1 |\n"
+            in text)
     assert "| 512 | 0.50 | 0.50 | 17.00 | 12.00 | 2.50 | 2.50 |" in text  # where the TTFT went
     assert "| CUDA-graph capture, s (log timestamps) | 12.50 | - |" in text
     assert "1 of 1 sequences identical over 2 tokens" in text
@@ -428,6 +543,58 @@ def test_shape_options(e2e, tmp_path):
     assert (type(tiny).__name__, tiny.moe_shape, tiny.num_layers) == ("TinyDeepseekV2Spec", (8, 2, 128, 64, 32), 2)
     with pytest.raises(SystemExit):
         e2e.parse_args(["--out", str(tmp_path), "--shape", "128,8,2048"])
+
+
+def test_report_from_arms_with_only_some_phases(e2e, tmp_path):
+    """Arms run with --phases ttft,profile (no decode, agreement or teacher-forced results, nor the
+    decode profile), and with --phases profile alone: the report leaves out what is not there."""
+    meta = {"command": "e2e_vllm.py --phases ttft,profile"}
+    for name, ttft_ms in (("on", 40.0), ("off", 30.0)):
+        arm = _arm(name, {}, {}, {512: ttft_ms})
+        only = {"ttft": arm["ttft"], "profile_prefill": arm["profile_prefill"]}
+        (tmp_path / f"arm-{name}.json").write_text(json.dumps(only))
+    report = e2e.build_report(tmp_path, meta)
+    assert report["decode"] == [] and report["teacher_forced"] == {} and report["agreement"]["sequences"] == 0
+    (cell,) = report["ttft"]
+    assert (cell["on_ms"], cell["off_ms"], cell["on_host_ms"], cell["off_host_ms"]) == (40.0, 30.0, 40.0, 30.0)
+    text = e2e.markdown(report)
+    assert "Decode: C requests" not in text and "| C |" not in text
+    assert "| 512 | 40.00 | 30.00 | 1.333 | [40.0] | [30.0] |" in text
+    assert "| prompt tokens | on GPU ms | off GPU ms | on host ms | off host ms | on launches | off launches |" in text
+    assert "| 512 | 20.000 | 15.000 | 40.000 | 30.000 | 512 | 512 | gemm_on 20.00 | gemm_off 15.00 |" in text
+    assert "| aten::mm | 10.000 | 48 | 7.500 | 48 |" in text
+    assert "Greedy agreement (on vs off): not measured" in text
+    assert "Teacher-forced agreement (on vs off): not measured" in text
+    if importlib.util.find_spec("matplotlib"):
+        assert e2e.plot(report, tmp_path / "e2e.png") is None
+    # the prefill profile alone: its table, no TTFT table, no plot
+    profile_only = tmp_path / "profile-only"
+    profile_only.mkdir()
+    for name, ttft_ms in (("on", 40.0), ("off", 30.0)):
+        only = {"profile_prefill": [_prefill(name, 512, ttft_ms)]}
+        (profile_only / f"arm-{name}.json").write_text(json.dumps(only))
+    report = e2e.build_report(profile_only, meta)
+    (cell,) = report["ttft"]
+    assert (cell["on_ms"], cell["on_over_off"], cell["on_launches"], cell["off_host_ms"]) == (None, None, 512, 30.0)
+    text = e2e.markdown(report)
+    assert "| prompt tokens | on ms |" not in text and "Where the time to first token went" not in text
+    assert "| 512 | 20.000 | 15.000 | 40.000 | 30.000 | 512 | 512 | gemm_on 20.00 | gemm_off 15.00 |" in text
+    assert "| only_on | 5.000 | 1 | - | - |" in text
+    if importlib.util.find_spec("matplotlib"):
+        assert e2e.plot(report, profile_only / "e2e.png") == "no plot: no decode or TTFT cells"
+
+
+def test_phases_option(e2e, tmp_path):
+    default = e2e.parse_args(["--out", str(tmp_path)])
+    assert default.phases == ["decode", "ttft", "agreement", "teacher_forced", "profile"]
+    args = e2e.parse_args(["--out", str(tmp_path), "--phases", "profile,ttft"])
+    assert args.phases == ["ttft", "profile"]  # always in the order the arm measures them: the profile last
+    command = e2e.child_command(args, "on")
+    assert command[command.index("--phases") + 1] == "ttft,profile"
+    assert e2e.parse_args(command[2:]).phases == ["ttft", "profile"]
+    for bad in ("ttft,prefill", ""):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(["--out", str(tmp_path), "--phases", bad])
 
 
 def test_child_gets_the_shape_and_architecture(e2e, tmp_path):
