@@ -381,11 +381,56 @@ def test_refinement_also_searches_counts_the_first_search_did_not_reach_worst_fi
     assert tune.refine_prefill(*args) == best and visited == []  # without it: every count of best counts as searched
 
 
-def test_prefill_candidates_follow_the_shape():
+def test_refinement_times_the_neighbours_configs_whatever_their_group_size(monkeypatch):
+    """A refined count also times the configs the other measured counts run, right after its own
+    and the nearest count's first, though the group-size filter would leave them out: a config can
+    win for what that filter does not weigh."""
+    from moe_grouped_decode.kernels.config import PrefillConfig
+
+    counts = (16, 64, 1024, 4096, 16384)
+    unrolled = PrefillConfig(kernel="wgmma", block_rows=16, w13_block_k=64, w13_stages=3, w2_stages=16,
+                             w2_unrolled_pieces=16)
+    wide, narrow = prefill_configs()[4], prefill_configs()[0]
+    best = {16: narrow, 64: unrolled, 16384: wide}
+    speedup = {16: 1.5, 64: 1.3, 1024: 0.9, 4096: 0.95, 16384: 1.2}  # 1024 and 4096 are thin, unsearched
+    timings = {M: tune.Timings(None, 100.0, {"marlin": 100.0 * speedup[M]}) for M in counts}
+
+    def table_of(t):
+        routes = tune.route_table(counts, [None] * 5, [t[m].prefill_us for m in counts],
+                                  {"marlin": [t[m].vllm_us["marlin"] for m in counts]})
+        return tables.MeasuredTable(gpu="Test GPU", shape=NEW_SHAPE, dtype="fp16", name="refine", generator="",
+                                    versions={}, routes=routes, grouped=(), prefill=tune.launch_table_entries(best))
+
+    timed = {}
+
+    def search(measure, route, token_counts, candidates, progress, deadline, log=print, always=(), searched=None):
+        (M,) = token_counts
+        timed[M] = list(always) + list(candidates)
+        return {M: always[0]}  # each keeps the config it runs
+
+    monkeypatch.setattr(tune, "search", search)
+    fake = FakeSearch(monkeypatch, NEW_SHAPE, nearest_group_cost)
+    assert tune.configs_by_distance(counts, 1024, str) == ["4096", "64", "16384", "16"]  # ties: the smaller
+    assert unrolled not in tune.plausible_prefill(prefill_configs() + [unrolled], 4096, NEW_SHAPE)
+    tune.refine_prefill(fake.measure, timings, best, prefill_configs(), table_of, fake.progress, float("inf"),
+                        fake.log.append, searched={16, 64, 16384})
+    assert list(timed) == [1024, 4096]
+    # 1024 runs the wide groups (16384's entry) as 4096 does: its own first, then 64's, then 16's
+    assert timed[1024][:3] == [wide, unrolled, narrow] and len(timed[1024]) == len(set(timed[1024]))
+    # 4096: its neighbours both run its own config, timed once; then 64's and 16's
+    assert timed[4096][:3] == [wide, unrolled, narrow] and timed[4096].count(wide) == 1
+
+
+def test_prefill_candidates_follow_the_shape(monkeypatch):
     """On Hopper the search adds, for a W2 tile of 9-16 pieces (N = 288 to 512), configs with
     those pieces unrolled and a ring stage each; for a layer of few W2 programs, one and two tiles
-    a program; a shape of neither gets neither, and every candidate is a distinct config."""
+    a program; a shape of neither gets neither, and every candidate is a distinct config. (Without
+    the shipped tables, whose configs the search also tries: a table tuned with these variants
+    would hold some of them.)"""
+    from moe_grouped_decode import tables
     from moe_grouped_decode.benchmarking.tune import prefill_candidates
+
+    monkeypatch.setattr(tables, "shipped_tables", lambda: [])
 
     def extra(shape):
         found = prefill_candidates((9, 0), shape)

@@ -25,9 +25,10 @@ weights through one CUDA graph:
    sources, ``--vllm-sources``); then once more between neighbours whose margin is thin, so
    the grid brackets every crossing;
 3. refine: the prefill route's configs searched at each count it serves with a margin under
-   10% that step 1 did not search (worst first, within ``--refine-budget-s``), each such count
-   then running its own best (a group size tuned at a power of two can straddle an expert's rows
-   just above it) where it is faster when measured again as the op runs it;
+   10% that step 1 did not search (worst first, within ``--refine-budget-s``; the configs other
+   counts won first, whatever their group size), each such count then running its own best (a
+   group size tuned at a power of two can straddle an expert's rows just above it) where it is
+   faster when measured again as the op runs it;
 4. decide: the grouped window (the longest run of counts from 1 where the grouped op is the
    faster route), the plugin's route and time per count, the verdict (``tables.verdict``:
    admitted only if faster than every vLLM backend at every count).
@@ -223,6 +224,13 @@ def refine_counts(tokens: Sequence[int], routes: Sequence[str], speedups: Sequen
     thin = [(s, m) for m, r, s in zip(tokens, routes, speedups)
             if r == "prefill" and m not in searched and s is not None and s < margin]
     return [m for _, m in sorted(thin)]
+
+
+def configs_by_distance(grid: Sequence[int], M: int, config_of: Callable[[int], object]) -> list:
+    """The configs the counts of ``grid`` other than ``M`` run (``config_of``), each once, the
+    nearest count's (in log2 M; a tie: the smaller count's) first."""
+    order = sorted((m for m in grid if m != M), key=lambda m: (abs(math.log2(m / M)), m))
+    return list(dict.fromkeys(config_of(m) for m in order))
 
 
 def launch_table_entries(best: Dict[int, object], family: Optional[str] = None) -> Tuple[dict, ...]:
@@ -554,13 +562,19 @@ def refine_prefill(measure: Measurement, timings: Dict[int, "Timings"], best: Di
     log(f"[tune] prefill configs searched again at {len(counts)} counts with a margin under "
         f"{REFINE_MARGIN:.2f}x: {counts}")
     refined: Dict[int, object] = {}
+    grid = sorted(timings)
     with tables.table_registered(table_of(timings)):
         for M in counts:
             if time.time() > deadline:
                 log(f"[tune] refine: budget spent; {len(counts) - len(refined)} counts keep their configs")
                 break
             current = entry_for(best, M)  # timed first, so a search cut short cannot drop it
-            worth = [c for c in plausible_prefill(candidates, M, measure.spec.shape) if c != current]
+            # the configs other measured counts run come first, the nearest count's first, whatever
+            # their group size: a config can win for what the group-size filter does not weigh (W2's
+            # unrolled pieces, its tiles a program), and they are few
+            winners = configs_by_distance(grid, M, lambda m: refined.get(m, entry_for(best, m)))
+            worth = [c for c in dict.fromkeys(winners + plausible_prefill(candidates, M, measure.spec.shape))
+                     if c != current]
             progress.add(len(worth) + 1)
             refined.update(search(measure, "prefill", [M], worth, progress, deadline, log, always=(current,)))
     counts_measured = sorted(timings)
