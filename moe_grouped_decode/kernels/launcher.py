@@ -9,16 +9,17 @@ Which binary Triton runs depends on the arguments only through their specializat
 tensor's dtype and whether its address is 16-byte aligned; each int's range, divisibility by 16
 and being 1; None and bools as constants), the current device, and the constexprs and options,
 which a ``Launch`` fixes. The cache here keys on something finer: the ``Launch`` itself, the
-current device, each tensor's dtype and alignment, and every other argument's type and exact
-value. A hit is therefore an argument list Triton would have given the same binary, and it is
+current device, each tensor's dtype, alignment and being on the GPU, and every other argument's
+type and exact value. A hit is therefore an argument list Triton would have given the same binary, and it is
 launched the way Triton launches it (the compiled kernel's own runner: the current stream, the
 launch hooks), with each tensor given as its address: the key has read it already, and Triton's
-launcher would otherwise ask the tensor again and the driver whether it is a device address (the
-ops check their tensors' devices; this package's kernels declare no launch metadata, so a launch
-hook sees no arguments; one that declares it keeps Triton's dispatch). The launches of one op call share one query of the current device and
-stream (``Call``). Not part of the key, as they cost host time to read: Triton's debug and
-instrumentation knobs (a binary compiled before one is set keeps running) and the module
-globals a kernel reads (Triton refuses a changed one; the kernels here read constants only).
+launcher would otherwise ask the tensor again and the driver whether it is a device address (a
+host tensor is a key of its own, which Triton's dispatch refuses; a kernel that declares launch
+metadata, whose hooks see its arguments, keeps Triton's dispatch). The launches of one op call
+share one query of the current device and stream (``Call``). Not part of the key, as they cost
+host time to read: Triton's debug and instrumentation knobs (a binary compiled before one is set
+keeps running) and the module globals a kernel reads (Triton refuses a changed one; the kernels
+here read constants only).
 
 Only compiled ``JITFunction`` launches over tensors, ints, floats, bools and None are cached:
 under ``TRITON_INTERPRET=1`` every launch goes through Triton, as does any kernel with pre-run
