@@ -350,6 +350,21 @@ def test_a_count_where_no_candidate_agrees_keeps_the_ops_own_config_not_a_neighb
                for line in fake.log), fake.log
 
 
+def refinement_inputs(best: dict, speedup: dict):
+    """(timings, table_of) for ``refine_prefill``: the prefill route at 100 us at each count of
+    ``speedup``, Marlin at ``speedup`` times that, the table built over ``best``'s entries."""
+    counts = tuple(sorted(speedup))
+    timings = {M: tune.Timings(None, 100.0, {"marlin": 100.0 * speedup[M]}) for M in counts}
+
+    def table_of(t):
+        routes = tune.route_table(counts, [None] * len(counts), [t[m].prefill_us for m in counts],
+                                  {"marlin": [t[m].vllm_us["marlin"] for m in counts]})
+        return tables.MeasuredTable(gpu="Test GPU", shape=NEW_SHAPE, dtype="fp16", name="refine", generator="",
+                                    versions={}, routes=routes, grouped=(), prefill=tune.launch_table_entries(best))
+
+    return timings, table_of
+
+
 def test_refinement_also_searches_counts_the_first_search_did_not_reach_worst_first(monkeypatch):
     """A prefill count the budget left (it runs a neighbour's best) is searched again when its margin
     is thin, the worst margin first, though the first search's entries name it."""
@@ -358,13 +373,7 @@ def test_refinement_also_searches_counts_the_first_search_did_not_reach_worst_fi
     counts = (256, 1024, 4096, 16384)
     best = {M: PrefillConfig(block_rows=16 if M < 1024 else 128, kernel="wgmma") for M in counts}
     speedup = {256: 1.5, 1024: 1.05, 4096: 1.3, 16384: 0.8}  # 16384 and 1024 were not searched
-    timings = {M: tune.Timings(None, 100.0, {"marlin": 100.0 * speedup[M]}) for M in counts}
-
-    def table_of(t):
-        routes = tune.route_table(counts, [None] * 4, [t[m].prefill_us for m in counts],
-                                  {"marlin": [t[m].vllm_us["marlin"] for m in counts]})
-        return tables.MeasuredTable(gpu="Test GPU", shape=NEW_SHAPE, dtype="fp16", name="refine", generator="",
-                                    versions={}, routes=routes, grouped=(), prefill=tune.launch_table_entries(best))
+    timings, table_of = refinement_inputs(best, speedup)
 
     visited = []
 
@@ -393,13 +402,7 @@ def test_refinement_times_the_neighbours_configs_whatever_their_group_size(monke
     wide, narrow = prefill_configs()[4], prefill_configs()[0]
     best = {16: narrow, 64: unrolled, 16384: wide}
     speedup = {16: 1.5, 64: 1.3, 1024: 0.9, 4096: 0.95, 16384: 1.2}  # 1024 and 4096 are thin, unsearched
-    timings = {M: tune.Timings(None, 100.0, {"marlin": 100.0 * speedup[M]}) for M in counts}
-
-    def table_of(t):
-        routes = tune.route_table(counts, [None] * 5, [t[m].prefill_us for m in counts],
-                                  {"marlin": [t[m].vllm_us["marlin"] for m in counts]})
-        return tables.MeasuredTable(gpu="Test GPU", shape=NEW_SHAPE, dtype="fp16", name="refine", generator="",
-                                    versions={}, routes=routes, grouped=(), prefill=tune.launch_table_entries(best))
+    timings, table_of = refinement_inputs(best, speedup)
 
     timed = {}
 
