@@ -4,6 +4,7 @@ thin, the route table, the launch-table entries), its command line, and its whol
 measurement on the Triton interpreter with a clock and a vLLM timer given by the test
 (tune_interpret_check.py)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -157,6 +158,12 @@ def test_prefill_search_times_group_sizes_near_the_rows_an_expert_has():
     assert [c.group_rows for c in tune.plausible_prefill(candidates, 256, qwen)] == [8, 16]
     assert [c.group_rows for c in tune.plausible_prefill(candidates, 16384, qwen)] == [64, 128]
     assert [c.group_rows for c in tune.plausible_prefill(candidates[:2], 16384, qwen)] == [8, 16]  # the nearest two
+    # every variant of the two nearest sizes: at 36 tokens of Qwen3-30B TP2 an expert has 2.25 rows,
+    # and only 8-row groups fit, but a 16-row config with W2's pieces unrolled can win there
+    unrolled = [dataclasses.replace(candidates[1], w2_stages=12, w2_unrolled_pieces=16, w2_tiles_per_program=tiles)
+                for tiles in (1, 4)]
+    both = [candidates[0]] + unrolled + candidates[1:]
+    assert tune.plausible_prefill(both, 36, (128, 8, 2048, 384, 128)) == [candidates[0]] + unrolled + [candidates[1]]
 
 
 # --------------------------------------------------------------------------- a search the budget cuts short

@@ -303,14 +303,11 @@ def _scaled_diff(out, want) -> float:
 def plausible_prefill(candidates: Sequence, M: int, shape: tables.Shape) -> list:
     """The prefill candidates worth timing at ``M``: groups of rows from an eighth to four times
     the rows an active expert has on average (smaller ones dequantize its weights too often,
-    larger ones are mostly padding), at least the two nearest to it."""
+    larger ones are mostly padding), and at least every candidate of the two group sizes nearest
+    to it (a size has several variants: W2's unrolled pieces, its tiles a program)."""
     rows = _rows_an_expert_has(M, shape)
-
-    def distance(config) -> float:
-        return abs(math.log2(config.group_rows / rows))
-
-    near = sorted(candidates, key=distance)
-    return [c for c in candidates if group_rows_fit(c, M, shape) or c in near[:2]]
+    sizes = sorted({c.group_rows for c in candidates}, key=lambda size: abs(math.log2(size / rows)))
+    return [c for c in candidates if group_rows_fit(c, M, shape) or c.group_rows in sizes[:2]]
 
 
 def _rows_an_expert_has(M: int, shape: tables.Shape) -> float:
