@@ -59,6 +59,13 @@ and ``arm-<arm>.log`` (vLLM's full log, with millisecond timestamps). The report
 names the shape, architecture and dtype, and per arm which backend served the
 MoE layers (the plugin's startup lines).
 
+``--paired`` runs the arms side by side instead: every arm's engine up at once
+on the one device (started one after another, each with an even share of vLLM's
+default GPU memory), then every timed unit (a decode or TTFT repeat, a profiled
+pass) taken in turns, arm after arm. A host-bound cell (an eager prefill) moves
+with the host's speed, which on a shared machine drifts by a quarter between
+minutes; in turns the drift weighs on every arm alike.
+
 On the GPU (vLLM 0.26 installed by ../shared/vllm_gpu), all arms in one call or
 one arm per call with the same options and ``--out`` (the report is written
 once the on and off arm files are there). One command per model; each also with
@@ -105,6 +112,7 @@ import tempfile
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from datetime import datetime
 from pathlib import Path
@@ -148,6 +156,103 @@ LOG_LINE_RE = re.compile(
 
 def progress(arm: str, message: str) -> None:
     print(f"{PROGRESS}[{arm}] {message}", flush=True)
+
+
+class Turns:
+    """Strict turns among the arms' processes of one ``--paired`` run: one arm holds the turn at a
+    time; each timed unit (an engine's startup, a decode or TTFT repeat, a profiled pass) runs on
+    its turn, then the turn goes to the next arm still running. Arms measured this way share the
+    machine's minutes, so a host that drifts between minutes weighs on both alike.
+
+    The turn is a file in ``directory`` naming its holder. An arm through its units leaves a
+    ``finished-<arm>`` file, one that has exited (or died: the parent marks it) a ``done-<arm>``;
+    either is skipped. A finished arm waits for the others before it exits: its engine's shutdown
+    would share the host with their last units. Without a directory (one arm at a time) every
+    turn is taken at once.
+
+    A turn is handed on ``settle_s`` after the unit ends: vLLM's shared-memory queue readers (the
+    multiprocess executor's workers: always on the CPU, at TP > 1 on GPUs) busy-loop for a second
+    after their last message, and on a few cores that starves the next arm's unit many times over.
+    """
+
+    POLL_S = 0.002
+
+    def __init__(self, directory: Optional[Path], arm: str, order: List[str], settle_s: float = 0.0):
+        self.directory, self.arm, self.order, self.settle_s = directory, arm, list(order), settle_s
+        self.windows: List[List[float]] = []  # [start, end] of each turn held, epoch seconds
+        self._held_since: Optional[float] = None
+
+    @staticmethod
+    def start(directory: Path, order: List[str]) -> None:
+        """The parent, before starting the arms: the first arm holds the turn."""
+        directory.mkdir(parents=True, exist_ok=True)
+        Turns._write(directory, order[0])
+
+    @staticmethod
+    def _write(directory: Path, arm: str) -> None:
+        scratch = directory / f"turn.{os.getpid()}.tmp"
+        scratch.write_text(arm)
+        os.replace(scratch, directory / "turn")  # atomic: a reader sees the old holder or the new
+
+    @staticmethod
+    def holder(directory: Path) -> str:
+        return (directory / "turn").read_text()
+
+    def take(self) -> float:
+        """Wait for this arm's turn; the seconds waited."""
+        if self.directory is None:
+            return 0.0
+        began = time.perf_counter()
+        while self.holder(self.directory) != self.arm:
+            time.sleep(self.POLL_S)
+        self._held_since = time.time()
+        return time.perf_counter() - began
+
+    def give(self) -> None:
+        if self.directory is not None:
+            if self._held_since is not None:
+                self.windows.append([round(self._held_since, 4), round(time.time(), 4)])
+                self._held_since = None
+            Turns.pass_on(self.directory, self.arm, self.order, self.settle_s)
+
+    @staticmethod
+    def pass_on(directory: Path, arm: str, order: List[str], settle_s: float = 0.0) -> None:
+        """``arm`` gives the turn to the next arm in ``order`` still running (keeps it if none is)."""
+        i = order.index(arm)
+        for other in order[i + 1:] + order[:i]:
+            if not Turns._out(directory, other):
+                time.sleep(settle_s)
+                Turns._write(directory, other)
+                return
+
+    @staticmethod
+    def _out(directory: Path, arm: str) -> bool:
+        return (directory / f"finished-{arm}").exists() or (directory / f"done-{arm}").exists()
+
+    def finish(self) -> None:
+        """Through this arm's units: hand on the turn, then wait until every arm is through its own."""
+        if self.directory is None:
+            return
+        self.take()
+        (self.directory / f"finished-{self.arm}").touch()
+        self.give()
+        while not all(self._out(self.directory, arm) for arm in self.order):
+            time.sleep(self.POLL_S)
+
+    @staticmethod
+    def leave(directory: Path, arm: str, order: List[str]) -> None:
+        """``arm`` is finished (or dead): never wait for it again, and hand on a turn it holds."""
+        (directory / f"done-{arm}").touch()
+        if Turns.holder(directory) == arm:
+            Turns.pass_on(directory, arm, order)
+
+    @contextmanager
+    def turn(self):
+        self.take()
+        try:
+            yield
+        finally:
+            self.give()
 
 
 # ============================================================================ the checkpoint
@@ -482,6 +587,10 @@ def run_arm(args, arm: str) -> int:
     out = Path(args.out)
     result: dict = {"arm": arm, "switch": dict(ARMS[arm]), "errors": []}
     path = out / f"arm-{arm}.json"
+    turns = Turns(Path(args.turn_dir) if args.turn_dir else None, arm, args.turn_arms or [arm], args.turn_settle_s)
+    if args.turn_dir:
+        result["paired"] = list(args.turn_arms)
+        result["turn_windows"] = turns.windows  # saved as they grow
 
     def save():
         path.write_text(json.dumps(result, indent=1))
@@ -519,7 +628,10 @@ def run_arm(args, arm: str) -> int:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.gpu_memory_utilization:
         engine_kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    progress(arm, f"starting the engine ({switches(arm)})")
+    elif args.turn_dir and not args.smoke:  # vLLM's default share of the GPU, split among the arms up at once
+        engine_kwargs["gpu_memory_utilization"] = math.floor(90 / len(args.turn_arms)) / 100
+    waited = turns.take()  # one engine starts at a time: vLLM's memory profile sees only its own
+    progress(arm, f"starting the engine ({switches(arm)})" + (f" after {waited:.0f} s waiting for the turn" if waited >= 1 else ""))
     started = time.perf_counter()
     llm = LLM(**engine_kwargs)
     result["timing"]["startup_s"] = round(time.perf_counter() - started, 2)
@@ -556,15 +668,18 @@ def run_arm(args, arm: str) -> int:
         save()
 
     generate(token_prompts(1, 8, vocab, seed=1), greedy(4))  # the engine answers before anything is timed
+    turns.give()
 
     def decode():
         cells = result["decode"] = []
         for c in args.concurrency:
             repeats = []
             for r in range(args.repeats):
-                began = time.perf_counter()
-                outputs = generate(token_prompts(c, args.decode_prompt, vocab, seed=10_000 + 100 * c + r), greedy(args.decode_tokens))
-                wall = time.perf_counter() - began
+                with turns.turn():
+                    began = time.perf_counter()
+                    outputs = generate(token_prompts(c, args.decode_prompt, vocab, seed=10_000 + 100 * c + r),
+                                       greedy(args.decode_tokens))
+                    wall = time.perf_counter() - began
                 itls = [
                     (o.metrics.last_token_ts - o.metrics.first_token_ts) / max(o.metrics.num_generation_tokens - 1, 1)
                     for o in outputs
@@ -583,7 +698,8 @@ def run_arm(args, arm: str) -> int:
         for length in args.ttft_prompts:
             values, parts = [], []
             for r in range(args.repeats):
-                (output,) = generate(token_prompts(1, length, vocab, seed=20_000 + length + r), greedy(2))
+                with turns.turn():
+                    (output,) = generate(token_prompts(1, length, vocab, seed=20_000 + length + r), greedy(2))
                 values.append(1000 * output.metrics.first_token_latency)
                 parts.append(ttft_parts(output.metrics))
             cells.append({"prompt_tokens": length, "ttft_ms": round(statistics.median(values), 3),
@@ -595,8 +711,9 @@ def run_arm(args, arm: str) -> int:
         # in batches of --agree-batch, so the decode steps run at a size the grouped route serves
         prompts = token_prompts(args.agree_seqs, args.agree_prompt, vocab, seed=30_000)
         outputs = []
-        for start in range(0, len(prompts), args.agree_batch):
-            outputs += generate(prompts[start : start + args.agree_batch], greedy(args.agree_tokens, logprobs=2))
+        with turns.turn():
+            for start in range(0, len(prompts), args.agree_batch):
+                outputs += generate(prompts[start : start + args.agree_batch], greedy(args.agree_tokens, logprobs=2))
         result["agreement"] = [
             {"tokens": [int(t) for t in o.outputs[0].token_ids], "top2": [logprob_top2(p) for p in o.outputs[0].logprobs]}
             for o in outputs
@@ -614,8 +731,9 @@ def run_arm(args, arm: str) -> int:
         passes = result["teacher_forced"] = {}
         for name, batch in (("single", 1), ("batched", len(sequences))):
             outputs = []
-            for start in range(0, len(sequences), batch):
-                outputs += generate(sequences[start : start + batch], scoring)
+            with turns.turn():
+                for start in range(0, len(sequences), batch):
+                    outputs += generate(sequences[start : start + batch], scoring)
             scored = [prompt_logprob_rows(seq, o.prompt_logprobs) for seq, o in zip(sequences, outputs)]
             passes[name] = {"sequences_per_call": batch, "tokens_per_sequence": args.tf_tokens, "sequences": scored}
             progress(arm, f"teacher-forced {name}: {len(scored)} sequences of {args.tf_tokens} tokens scored "
@@ -625,18 +743,19 @@ def run_arm(args, arm: str) -> int:
 
     def profiled(run) -> Tuple[List[dict], int]:
         """The trace events (and trace files) of ``run()`` under vLLM's torch profiler."""
-        before = trace_files(profile_dir)
-        if started:
-            llm.start_profile()
-        else:
-            llm.start_profile(profile_prefix=f"e2e_{arm}")  # vLLM keeps the first start's name
-            started.append(True)
-        run()
-        llm.stop_profile()
-        new = sorted(trace_files(profile_dir) - before)
-        events = [e for p in new for e in load_trace(p)]
-        for p in new:
-            p.unlink()
+        with turns.turn():  # reading the traces too: the other arms' units never share the host with it
+            before = trace_files(profile_dir)
+            if started:
+                llm.start_profile()
+            else:
+                llm.start_profile(profile_prefix=f"e2e_{arm}")  # vLLM keeps the first start's name
+                started.append(True)
+            run()
+            llm.stop_profile()
+            new = sorted(trace_files(profile_dir) - before)
+            events = [e for p in new for e in load_trace(p)]
+            for p in new:
+                p.unlink()
         return events, len(new)
 
     def profile():
@@ -664,6 +783,7 @@ def run_arm(args, arm: str) -> int:
     for name in args.phases:  # in PHASES' order: the profiler starts after everything unprofiled
         progress(arm, f"phase {name}")
         phase(name, functions[name])
+    turns.finish()
     progress(arm, "done" + (f" with errors: {result['errors']}" if result["errors"] else ""))
     save()
     shutil.rmtree(profile_dir, ignore_errors=True)
@@ -954,6 +1074,7 @@ def build_report(out: Path, meta: dict) -> dict:
         "meta": meta,
         "device": on.get("device"),
         "versions": on.get("versions"),
+        "paired": on.get("paired"),  # the arms that ran side by side with 'on', taking turns (--paired)
         "engine": {arm: data.get("engine") for arm, data in arms.items()},
         "moe_backends": {arm: moe_backends(data["log"].get("plugin_lines") or []) for arm, data in arms.items()},
         "decode": compare_decode(arms, "on", "off"),
@@ -1141,6 +1262,9 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         f"Model: {meta.get('model')}.",
         f"Engine (on): {report['engine'].get('on')}.",
         f"Command: `{meta.get('command')}`.", "",
+        *([f"Arms {', '.join(report['paired'])} side by side (`--paired`): their engines up at once on this device, "
+           "each timed unit (a decode or TTFT repeat, a profiled pass) taken in turns, arm after arm, so the host's "
+           "drift between minutes weighs on every arm alike.", ""] if report.get("paired") else []),
         "MoE layers served by (the plugin's startup lines; where the plugin leaves a shape to vLLM, 'on' runs "
         "vLLM's own backend as 'off' does):", "",
     ]
@@ -1392,11 +1516,23 @@ def parse_args(argv=None):
                         "<name>-<architecture>-<layers>l-<dtype>-s<seed>): reused when it matches")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: vLLM's")
-    parser.add_argument("--arm-timeout", type=float, default=1500, help="seconds per arm before it is killed")
+    parser.add_argument("--paired", action="store_true",
+                        help="run the --arms side by side: every arm's engine up at once on the one device (each with "
+                             "vLLM's default 0.9 of GPU memory split evenly, unless --gpu-memory-utilization), started "
+                             "one after another, then every timed unit (a decode or TTFT repeat, a profiled pass) "
+                             "taken in turns, arm after arm, so a host whose speed drifts weighs on every arm alike")
+    parser.add_argument("--turn-settle-s", type=float, default=1.2,
+                        help="--paired: seconds between one arm's unit and the next arm's (vLLM's shared-memory "
+                             "queue readers busy-loop for 1 s after their last message)")
+    parser.add_argument("--arm-timeout", type=float, default=1500,
+                        help="seconds per arm before it is killed (--paired: for all arms together)")
     parser.add_argument("--report-only", action="store_true", help="only rebuild e2e.json/md/png from the arm files in --out")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke test: tiny 2-layer model, small cells")
     parser.add_argument("--child", choices=tuple(ARMS), help=argparse.SUPPRESS)
     parser.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--turn-dir", default=None, help=argparse.SUPPRESS)  # --paired: the arms' turn file
+    parser.add_argument("--turn-arms", type=lambda text: [x for x in text.split(",") if x], default=None,
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = dict(
         layers=48, concurrency=[1, 2, 4, 8, 16, 32, 64], ttft_prompts=[512, 2048, 8192], decode_prompt=128,
@@ -1423,6 +1559,31 @@ def parse_args(argv=None):
     return args
 
 
+def run_paired(args, arms: List[str], log_config: Path, turn_dir: Path, began: float) -> int:
+    """Every arm at once, each a fresh engine in a fresh process, taking turns (``Turns``)."""
+    if len(arms) < 2:
+        raise SystemExit("--paired: name two or more --arms")
+    Turns.start(turn_dir, arms)
+    paired = argparse.Namespace(**{**vars(args), "turn_dir": str(turn_dir), "turn_arms": arms})
+    codes: Dict[str, Optional[int]] = {}
+
+    def one(arm):
+        try:
+            codes[arm] = run_child(child_command(paired, arm), arm_environment(args, arm, log_config),
+                                   Path(args.out) / f"arm-{arm}.log", arm, args.arm_timeout)
+        finally:  # an arm killed or crashed: the others stop waiting for its turns
+            Turns.leave(turn_dir, arm, arms)
+            print(f"e2e: arm {arm} exited {codes.get(arm)} after {time.perf_counter() - began:.0f} s in all", flush=True)
+
+    print(f"e2e: arms {', '.join(arms)} side by side, each a fresh engine in a fresh process, taking turns", flush=True)
+    threads = [threading.Thread(target=one, args=(arm,)) for arm in arms]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return 0 if all(codes.get(arm) == 0 for arm in arms) else 1
+
+
 def child_command(args, arm: str) -> List[str]:
     command = [sys.executable, str(Path(__file__).resolve()), "--child", arm]
     for key, value in vars(args).items():
@@ -1441,7 +1602,11 @@ def child_command(args, arm: str) -> List[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        return run_arm(args, args.child)
+        try:
+            return run_arm(args, args.child)
+        finally:
+            if args.turn_dir:
+                Turns.leave(Path(args.turn_dir), args.child, args.turn_arms)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
@@ -1472,7 +1637,9 @@ def main(argv=None) -> int:
         print(f"e2e: {build.stdout.strip()}", flush=True)
         with tempfile.TemporaryDirectory(prefix="e2e-logcfg-") as scratch:
             log_config = write_log_config(Path(scratch))
-            for arm in arms:
+            if args.paired:
+                rc = run_paired(args, arms, log_config, Path(scratch) / "turns", began)
+            for arm in arms if not args.paired else ():
                 print(f"e2e: arm {arm} ({switches(arm)}), a fresh engine in a fresh process", flush=True)
                 code = run_child(child_command(args, arm), arm_environment(args, arm, log_config), out / f"arm-{arm}.log", arm, args.arm_timeout)
                 print(f"e2e: arm {arm} exited {code} after {time.perf_counter() - began:.0f} s in all", flush=True)

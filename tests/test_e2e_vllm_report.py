@@ -620,3 +620,93 @@ def test_forced_arm_environment(e2e, monkeypatch, tmp_path):
     dispatch = e2e.arm_environment(args, "dispatch", tmp_path / "log.json")
     assert (dispatch["MOE_GROUPED_DECODE"], dispatch["MOE_GROUPED_DECODE_DIRECT_LAUNCH"]) == ("1", "0")
     assert "MOE_GROUPED_DECODE_FORCE" not in dispatch
+
+
+def _run_arms(e2e, tmp_path, units, settle_s=0.0, crash_after=None):
+    """Threads standing in for the arms' processes: each takes ``units[arm]`` turns, records what it
+    held and when; ``crash_after``: (arm, n) dies after n units, the parent marking it as it would."""
+    order = list(units)
+    e2e.Turns.start(tmp_path, order)
+    log, lock, errors = [], __import__("threading").Lock(), []
+    turns = {arm: e2e.Turns(tmp_path, arm, order, settle_s) for arm in order}
+
+    def arm_body(arm):
+        try:
+            for n in range(units[arm]):
+                if crash_after == (arm, n):
+                    e2e.Turns.leave(tmp_path, arm, order)  # what run_paired does once the process is gone
+                    return
+                with turns[arm].turn():
+                    with lock:
+                        log.append((arm, "in"))
+                    __import__("time").sleep(0.003)
+                    with lock:
+                        log.append((arm, "out"))
+            turns[arm].finish()
+            with lock:
+                log.append((arm, "exit"))
+        except Exception as error:  # noqa: BLE001  (reported below)
+            errors.append(error)
+
+    import threading
+
+    threads = [threading.Thread(target=arm_body, args=(arm,), daemon=True) for arm in order]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads), f"an arm still waits for its turn: {log}"
+    assert not errors
+    return log, turns
+
+
+def test_paired_arms_take_strict_turns(e2e, tmp_path):
+    log, turns = _run_arms(e2e, tmp_path, {"on": 4, "off": 4, "dispatch": 4}, settle_s=0.01)
+    units = [entry for entry in log if entry[1] != "exit"]
+    # never two arms inside a unit at once, and the arms in --arms order, round after round
+    assert units == [(arm, edge) for _ in range(4) for arm in ("on", "off", "dispatch") for edge in ("in", "out")]
+    windows = sorted((w, arm) for arm, t in turns.items() for w in t.windows)
+    assert len(windows) == 3 * (4 + 1)  # every unit and the finishing turn
+    for (earlier, _), (later, _) in zip(windows, windows[1:]):
+        assert earlier[1] <= later[0]  # windows do not overlap...
+    settles = [later[0] - earlier[1] for (earlier, _), (later, _) in zip(windows, windows[1:])]
+    assert min(settles) >= 0.009  # ...and the next arm's starts the settle time after
+    # no arm exits before every arm is through its units (its shutdown would share the host)
+    first_exit = next(i for i, entry in enumerate(log) if entry[1] == "exit")
+    assert first_exit > max(i for i, entry in enumerate(log) if entry[1] == "out")
+
+
+def test_paired_arms_go_on_when_one_finishes_early_or_dies(e2e, tmp_path):
+    log, _ = _run_arms(e2e, tmp_path / "uneven", {"on": 2, "off": 5})
+    assert [arm for arm, edge in log if edge == "in"] == ["on", "off", "on", "off", "off", "off", "off"]
+    log, _ = _run_arms(e2e, tmp_path / "crash", {"on": 5, "off": 5}, crash_after=("off", 2))
+    assert [arm for arm, edge in log if edge == "in"] == ["on", "off", "on", "off", "on", "on", "on"]
+
+
+def test_without_pairing_every_turn_is_taken_at_once(e2e):
+    turns = e2e.Turns(None, "on", ["on"], settle_s=5.0)
+    with turns.turn():
+        pass
+    turns.finish()
+    assert turns.take() == 0.0 and turns.windows == []
+
+
+def test_paired_option_reaches_the_arms_and_the_report(e2e, tmp_path):
+    args = e2e.parse_args(["--out", str(tmp_path), "--paired", "--arms", "off,on", "--turn-settle-s", "0.3"])
+    paired = types.SimpleNamespace(**{**vars(args), "turn_dir": str(tmp_path / "turns"), "turn_arms": ["off", "on"]})
+    child = e2e.parse_args(e2e.child_command(paired, "on")[2:])
+    assert (child.turn_dir, child.turn_arms, child.turn_settle_s) == (str(tmp_path / "turns"), ["off", "on"], 0.3)
+    on = _arm("on", {1: 400.0}, {1: 2.4}, {512: 20.0})
+    off = _arm("off", {1: 410.0}, {1: 2.3}, {512: 15.0})
+    for arm in (on, off):
+        arm["paired"] = ["off", "on"]
+        (tmp_path / f"arm-{arm['arm']}.json").write_text(json.dumps(arm))
+    report = e2e.build_report(tmp_path, {"command": "e2e_vllm.py --paired", "model": "tiny", "repeats": 3})
+    assert report["paired"] == ["off", "on"]
+    assert "Arms off, on side by side (`--paired`)" in e2e.markdown(report)
+    del on["paired"]
+    (tmp_path / "arm-on.json").write_text(json.dumps(on))
+    report = e2e.build_report(tmp_path, {"command": "e2e_vllm.py", "model": "tiny", "repeats": 3})
+    assert report["paired"] is None and "side by side" not in e2e.markdown(report)
+    with pytest.raises(SystemExit, match="two or more"):
+        e2e.run_paired(args, ["on"], tmp_path / "log.json", tmp_path / "turns1", 0.0)

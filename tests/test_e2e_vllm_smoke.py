@@ -18,6 +18,7 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parent.parent
 MOE_LAYERS = {"qwen3_moe": 2, "deepseek_v2": 1}  # of the smoke model's 2 layers
 SCORED_TOKENS = 4 * 7  # teacher-forced: 4 sequences of 8 tokens, every position after the first
+PAIRED = ("deepseek_v2",)  # run with --paired: both engines up at once, taking turns
 
 
 class Smoke(NamedTuple):
@@ -40,6 +41,7 @@ def smoke(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"e2e-smoke-{architecture}")
     command = [sys.executable, str(ROOT / "benchmarks" / "e2e_vllm.py"), "--smoke", "--architecture", architecture,
                "--out", str(out), "--checkpoint", str(out.parent / f"e2e-smoke-checkpoint-{architecture}")]
+    command += ["--paired"] if architecture in PAIRED else []
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
     return Smoke(architecture, out, proc.stdout, json.loads((out / "e2e.json").read_text()))
@@ -174,3 +176,20 @@ def test_agreement_on_vs_off(smoke):
     assert report["agreement"]["identical"] == 4
     for row in forced.values():
         assert (row["mean_abs_diff"], row["max_abs_diff"], row["worst"], row["top1_agreement"]) == (0.0, 0.0, None, 1.0)
+
+
+def test_paired_arms_took_turns(smoke):
+    """--paired: every timed unit of one arm between two of the other's, none overlapping; else
+    the arms ran one after the other and record no turns."""
+    report = smoke.report
+    if smoke.architecture not in PAIRED:
+        assert report["paired"] is None and "turn_windows" not in smoke.arm("on")
+        return
+    assert report["paired"] == ["on", "off"]
+    windows = sorted((start, end, arm) for arm in ("on", "off") for start, end in smoke.arm(arm)["turn_windows"])
+    # startup, 3 decode cells, 2 TTFT prompts, agreement, 2 teacher-forced passes, 3 profiled passes, finishing
+    assert len(windows) == 2 * (1 + 3 + 2 + 1 + 2 + 3 + 1)
+    assert [arm for _, _, arm in windows] == ["on", "off"] * (len(windows) // 2)
+    for (_, end, _), (start, _, _) in zip(windows, windows[1:]):
+        assert end < start
+    assert "Arms on, off side by side (`--paired`)" in (smoke.out / "e2e.md").read_text()
