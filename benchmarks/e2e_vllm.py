@@ -175,7 +175,7 @@ class Turns:
     after their last message, and on a few cores that starves the next arm's unit many times over.
     """
 
-    POLL_S = 0.002
+    POLL_S = 0.02  # a turn comes after a settle of tenths of a second: no need to wake more often
 
     def __init__(self, directory: Optional[Path], arm: str, order: List[str], settle_s: float = 0.0):
         self.directory, self.arm, self.order, self.settle_s = directory, arm, list(order), settle_s
@@ -216,14 +216,31 @@ class Turns:
             Turns.pass_on(self.directory, self.arm, self.order, self.settle_s)
 
     @staticmethod
+    @contextmanager
+    def _locked(directory: Path):
+        """Who is out and who holds the turn, read and changed by one process at a time: an arm
+        that dies while another hands it the turn must not be handed it after its exit is marked."""
+        import fcntl
+
+        with open(directory / "lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    @staticmethod
     def pass_on(directory: Path, arm: str, order: List[str], settle_s: float = 0.0) -> None:
-        """``arm`` gives the turn to the next arm in ``order`` still running (keeps it if none is)."""
+        """``arm`` gives the turn to the next arm in ``order`` still running, ``settle_s`` from now
+        (keeps it if none is)."""
         i = order.index(arm)
-        for other in order[i + 1:] + order[:i]:
-            if not Turns._out(directory, other):
-                time.sleep(settle_s)
-                Turns._write(directory, other)
-                return
+        if any(not Turns._out(directory, other) for other in order[i + 1:] + order[:i]):
+            time.sleep(settle_s)
+        with Turns._locked(directory):
+            for other in order[i + 1:] + order[:i]:
+                if not Turns._out(directory, other):
+                    Turns._write(directory, other)
+                    return
 
     @staticmethod
     def _out(directory: Path, arm: str) -> bool:
@@ -234,7 +251,8 @@ class Turns:
         if self.directory is None:
             return
         self.take()
-        (self.directory / f"finished-{self.arm}").touch()
+        with Turns._locked(self.directory):
+            (self.directory / f"finished-{self.arm}").touch()
         self.give()
         while not all(self._out(self.directory, arm) for arm in self.order):
             time.sleep(self.POLL_S)
@@ -242,8 +260,10 @@ class Turns:
     @staticmethod
     def leave(directory: Path, arm: str, order: List[str]) -> None:
         """``arm`` is finished (or dead): never wait for it again, and hand on a turn it holds."""
-        (directory / f"done-{arm}").touch()
-        if Turns.holder(directory) == arm:
+        with Turns._locked(directory):
+            (directory / f"done-{arm}").touch()
+            holds = Turns.holder(directory) == arm
+        if holds:
             Turns.pass_on(directory, arm, order)
 
     @contextmanager
@@ -590,6 +610,7 @@ def run_arm(args, arm: str) -> int:
     turns = Turns(Path(args.turn_dir) if args.turn_dir else None, arm, args.turn_arms or [arm], args.turn_settle_s)
     if args.turn_dir:
         result["paired"] = list(args.turn_arms)
+        result["paired_run"] = args.turn_dir  # the turn directory: one per --paired run
         result["turn_windows"] = turns.windows  # saved as they grow
 
     def save():
@@ -741,9 +762,9 @@ def run_arm(args, arm: str) -> int:
 
     started = []
 
-    def profiled(run) -> Tuple[List[dict], int]:
-        """The trace events (and trace files) of ``run()`` under vLLM's torch profiler."""
-        with turns.turn():  # reading the traces too: the other arms' units never share the host with it
+    def profiled(run, summarize):
+        """``summarize(events, trace files)`` of ``run()`` under vLLM's torch profiler."""
+        with turns.turn():  # reading and summing the traces too: no other arm's unit shares the host with it
             before = trace_files(profile_dir)
             if started:
                 llm.start_profile()
@@ -756,21 +777,21 @@ def run_arm(args, arm: str) -> int:
             events = [e for p in new for e in load_trace(p)]
             for p in new:
                 p.unlink()
-        return events, len(new)
+            return summarize(events, len(new))
 
     def profile():
         cells = result["profile"] = []
         for c in args.profile_concurrency:
-            events, files = profiled(lambda: generate(token_prompts(c, args.decode_prompt, vocab, seed=40_000 + c),
-                                                      greedy(args.profile_tokens)))
-            summary = step_summary(decode_steps(events), c)
+            summary, files = profiled(lambda: generate(token_prompts(c, args.decode_prompt, vocab, seed=40_000 + c),
+                                                       greedy(args.profile_tokens)),
+                                      lambda events, files: (step_summary(decode_steps(events), c), files))
             cells.append({"concurrency": c, "trace_files": files, **summary})
             progress(arm, f"profile C={c}: {summary['decode_steps']} decode steps, GPU {summary['gpu_kernel_ms']} ms "
                           f"(span {summary['gpu_span_ms']} ms) per step, host step period {summary['host_period_ms']} ms")
         prefills = result["profile_prefill"] = []
         for length in args.ttft_prompts:
-            events, _ = profiled(lambda: generate(token_prompts(1, length, vocab, seed=50_000 + length), greedy(1)))
-            summary = prefill_step_summary(decode_steps(events), length)
+            summary = profiled(lambda: generate(token_prompts(1, length, vocab, seed=50_000 + length), greedy(1)),
+                               lambda events, _: prefill_step_summary(decode_steps(events), length))
             prefills.append(summary)
             top_host = "; ".join(f"{name} {ms} ms x{count}" for name, ms, count in summary["host_ops"][:3])
             progress(arm, f"profile prefill {length} tokens: {summary['prefill_steps']} step(s), GPU "
@@ -1074,7 +1095,8 @@ def build_report(out: Path, meta: dict) -> dict:
         "meta": meta,
         "device": on.get("device"),
         "versions": on.get("versions"),
-        "paired": on.get("paired"),  # the arms that ran side by side with 'on', taking turns (--paired)
+        # the arms that ran side by side, taking turns (--paired), where 'on' and 'off' were of one such run
+        "paired": on.get("paired") if on.get("paired_run") and on.get("paired_run") == off.get("paired_run") else None,
         "engine": {arm: data.get("engine") for arm, data in arms.items()},
         "moe_backends": {arm: moe_backends(data["log"].get("plugin_lines") or []) for arm, data in arms.items()},
         "decode": compare_decode(arms, "on", "off"),
@@ -1524,8 +1546,9 @@ def parse_args(argv=None):
     parser.add_argument("--turn-settle-s", type=float, default=1.2,
                         help="--paired: seconds between one arm's unit and the next arm's (vLLM's shared-memory "
                              "queue readers busy-loop for 1 s after their last message)")
-    parser.add_argument("--arm-timeout", type=float, default=1500,
-                        help="seconds per arm before it is killed (--paired: for all arms together)")
+    parser.add_argument("--arm-timeout", type=float, default=None,
+                        help="seconds before an arm is killed (default 1500; --paired: for all arms together, "
+                             "default 1500 an arm)")
     parser.add_argument("--report-only", action="store_true", help="only rebuild e2e.json/md/png from the arm files in --out")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke test: tiny 2-layer model, small cells")
     parser.add_argument("--child", choices=tuple(ARMS), help=argparse.SUPPRESS)
@@ -1563,6 +1586,10 @@ def run_paired(args, arms: List[str], log_config: Path, turn_dir: Path, began: f
     """Every arm at once, each a fresh engine in a fresh process, taking turns (``Turns``)."""
     if len(arms) < 2:
         raise SystemExit("--paired: name two or more --arms")
+    if (args.gpu_memory_utilization or 0) * len(arms) > 0.95 and not args.smoke:
+        raise SystemExit(f"--paired: {len(arms)} engines of --gpu-memory-utilization {args.gpu_memory_utilization} "
+                         "do not fit one device (leave it out: vLLM's default is split among the arms)")
+    timeout_s = args.arm_timeout or 1500 * len(arms)
     Turns.start(turn_dir, arms)
     paired = argparse.Namespace(**{**vars(args), "turn_dir": str(turn_dir), "turn_arms": arms})
     codes: Dict[str, Optional[int]] = {}
@@ -1570,7 +1597,7 @@ def run_paired(args, arms: List[str], log_config: Path, turn_dir: Path, began: f
     def one(arm):
         try:
             codes[arm] = run_child(child_command(paired, arm), arm_environment(args, arm, log_config),
-                                   Path(args.out) / f"arm-{arm}.log", arm, args.arm_timeout)
+                                   Path(args.out) / f"arm-{arm}.log", arm, timeout_s)
         finally:  # an arm killed or crashed: the others stop waiting for its turns
             Turns.leave(turn_dir, arm, arms)
             print(f"e2e: arm {arm} exited {codes.get(arm)} after {time.perf_counter() - began:.0f} s in all", flush=True)
@@ -1641,7 +1668,8 @@ def main(argv=None) -> int:
                 rc = run_paired(args, arms, log_config, Path(scratch) / "turns", began)
             for arm in arms if not args.paired else ():
                 print(f"e2e: arm {arm} ({switches(arm)}), a fresh engine in a fresh process", flush=True)
-                code = run_child(child_command(args, arm), arm_environment(args, arm, log_config), out / f"arm-{arm}.log", arm, args.arm_timeout)
+                code = run_child(child_command(args, arm), arm_environment(args, arm, log_config), out / f"arm-{arm}.log",
+                                 arm, args.arm_timeout or 1500)
                 print(f"e2e: arm {arm} exited {code} after {time.perf_counter() - began:.0f} s in all", flush=True)
                 rc = rc or code
     if not all((out / f"arm-{arm}.json").is_file() for arm in REPORT_ARMS):

@@ -698,15 +698,41 @@ def test_paired_option_reaches_the_arms_and_the_report(e2e, tmp_path):
     assert (child.turn_dir, child.turn_arms, child.turn_settle_s) == (str(tmp_path / "turns"), ["off", "on"], 0.3)
     on = _arm("on", {1: 400.0}, {1: 2.4}, {512: 20.0})
     off = _arm("off", {1: 410.0}, {1: 2.3}, {512: 15.0})
-    for arm in (on, off):
-        arm["paired"] = ["off", "on"]
-        (tmp_path / f"arm-{arm['arm']}.json").write_text(json.dumps(arm))
-    report = e2e.build_report(tmp_path, {"command": "e2e_vllm.py --paired", "model": "tiny", "repeats": 3})
+
+    def report_of(on_run, off_run):
+        for arm, run in ((on, on_run), (off, off_run)):
+            arm.pop("paired", None), arm.pop("paired_run", None)
+            if run:
+                arm.update(paired=["off", "on"], paired_run=run)
+            (tmp_path / f"arm-{arm['arm']}.json").write_text(json.dumps(arm))
+        return e2e.build_report(tmp_path, {"command": "e2e_vllm.py --paired", "model": "tiny", "repeats": 3})
+
+    report = report_of("/tmp/turns-a", "/tmp/turns-a")
     assert report["paired"] == ["off", "on"]
     assert "Arms off, on side by side (`--paired`)" in e2e.markdown(report)
-    del on["paired"]
-    (tmp_path / "arm-on.json").write_text(json.dumps(on))
-    report = e2e.build_report(tmp_path, {"command": "e2e_vllm.py", "model": "tiny", "repeats": 3})
-    assert report["paired"] is None and "side by side" not in e2e.markdown(report)
+    # on and off of different runs (one paired, one not; two paired runs): not side by side
+    for on_run, off_run in (("/tmp/turns-a", None), (None, "/tmp/turns-a"), ("/tmp/turns-a", "/tmp/turns-b")):
+        report = report_of(on_run, off_run)
+        assert report["paired"] is None and "side by side" not in e2e.markdown(report)
     with pytest.raises(SystemExit, match="two or more"):
         e2e.run_paired(args, ["on"], tmp_path / "log.json", tmp_path / "turns1", 0.0)
+    greedy = e2e.parse_args(["--out", str(tmp_path), "--paired", "--gpu-memory-utilization", "0.6"])
+    with pytest.raises(SystemExit, match="do not fit one device"):
+        e2e.run_paired(greedy, ["on", "off"], tmp_path / "log.json", tmp_path / "turns2", 0.0)
+
+
+def test_an_arm_dying_while_handed_the_turn_is_skipped(e2e, tmp_path):
+    """The parent marks a dead arm while another arm waits out the settle before handing it the
+    turn: the turn goes to the next arm alive, never to the dead one."""
+    import threading
+
+    order = ["on", "off", "dispatch"]
+    e2e.Turns.start(tmp_path, order)
+    giver = threading.Thread(target=e2e.Turns.pass_on, args=(tmp_path, "on", order, 0.3))
+    giver.start()
+    __import__("time").sleep(0.1)
+    e2e.Turns.leave(tmp_path, "off", order)  # "off" died during "on"'s settle
+    giver.join(timeout=10)
+    assert e2e.Turns.holder(tmp_path) == "dispatch"
+    e2e.Turns.leave(tmp_path, "dispatch", order)  # the holder dies: its turn goes on at once
+    assert e2e.Turns.holder(tmp_path) == "on"
