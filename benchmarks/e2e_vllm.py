@@ -1053,10 +1053,21 @@ def _moe_host_ms(prefill: dict) -> Optional[float]:
     return round(sum(found), 4) if found and prefill.get("host_ms") is not None else None
 
 
+def paired_arms(arms: dict, a: str, b: str) -> Optional[List[str]]:
+    """The arms of the ``--paired`` run that arms ``a`` and ``b`` both come from, else None."""
+    run = arms[a].get("paired_run")
+    if run and run == arms[b].get("paired_run") and {a, b} <= set(arms[a].get("paired") or ()):
+        return list(arms[a]["paired"])
+    return None
+
+
 def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
     """Per prompt length, the time to first token of arm ``a`` against arm ``b`` and each arm's
     profiled prefill; a length profiled in both arms but not timed in both comes with its TTFT
-    fields None (an arm run with only some ``--phases``)."""
+    fields None (an arm run with only some ``--phases``). Arms of one ``--paired`` run also get
+    the median of the per-pair ratios (repeat i of ``a`` beside repeat i of ``b``, minutes apart
+    at most) and the pairs ``a`` won: the host's drift cancels within a pair."""
+    paired = paired_arms(arms, a, b) is not None
     ttft = {arm: _by(arms[arm], "ttft", "prompt_tokens") for arm in (a, b)}
     prefill = {arm: _by(arms[arm], "profile_prefill", "prompt_tokens") for arm in (a, b)}
     timed = [n for n in ttft[a] if n in ttft[b]]
@@ -1068,6 +1079,11 @@ def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
             cell = {"prompt_tokens": length, f"{a}_ms": row_a["ttft_ms"], f"{b}_ms": row_b["ttft_ms"],
                     f"{a}_over_{b}": round(row_a["ttft_ms"] / row_b["ttft_ms"], 3),
                     f"{a}_repeats": row_a.get("ttft_ms_repeats"), f"{b}_repeats": row_b.get("ttft_ms_repeats")}
+            pairs = list(zip(cell[f"{a}_repeats"] or (), cell[f"{b}_repeats"] or ()))
+            if paired and pairs:
+                cell["pairs"] = len(pairs)
+                cell[f"{a}_over_{b}_paired"] = round(statistics.median(x / y for x, y in pairs), 3)
+                cell[f"{a}_faster_pairs"] = sum(x < y for x, y in pairs)
         else:
             cell = {"prompt_tokens": length, f"{a}_ms": None, f"{b}_ms": None, f"{a}_over_{b}": None,
                     f"{a}_repeats": None, f"{b}_repeats": None}
@@ -1095,8 +1111,7 @@ def build_report(out: Path, meta: dict) -> dict:
         "meta": meta,
         "device": on.get("device"),
         "versions": on.get("versions"),
-        # the arms that ran side by side, taking turns (--paired), where 'on' and 'off' were of one such run
-        "paired": on.get("paired") if on.get("paired_run") and on.get("paired_run") == off.get("paired_run") else None,
+        "paired": paired_arms(arms, "on", "off"),  # the arms that ran side by side, taking turns (--paired)
         "engine": {arm: data.get("engine") for arm, data in arms.items()},
         "moe_backends": {arm: moe_backends(data["log"].get("plugin_lines") or []) for arm, data in arms.items()},
         "decode": compare_decode(arms, "on", "off"),
@@ -1179,7 +1194,15 @@ def host_ops_table(cell: dict, a: str, b: str) -> List[str]:
 def ttft_tables(cells: List[dict], a: str, b: str) -> List[str]:
     timed = [cell for cell in cells if cell.get(f"{a}_ms") is not None]
     lines = []
-    if timed:
+    if timed and all("pairs" in cell for cell in timed):
+        lines += [f"| prompt tokens | {a} ms | {b} ms | {a}/{b} | {a}/{b} per pair, median | {a} faster in | "
+                  f"{a} runs | {b} runs |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for cell in timed:
+            lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell[f'{a}_ms'], 2)} | {_fmt(cell[f'{b}_ms'], 2)} | "
+                         f"{_fmt(cell[f'{a}_over_{b}'], 3)} | {_fmt(cell[f'{a}_over_{b}_paired'], 3)} | "
+                         f"{cell[f'{a}_faster_pairs']} of {cell['pairs']} | {cell[f'{a}_repeats']} | "
+                         f"{cell[f'{b}_repeats']} |")
+    elif timed:
         lines += [f"| prompt tokens | {a} ms | {b} ms | {a}/{b} | {a} runs | {b} runs |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for cell in timed:
@@ -1304,7 +1327,9 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
     if report["ttft"]:
         if any(cell.get("on_ms") is not None for cell in report["ttft"]):
             lines += ["", f"Time to first token, one request at a time, prefix caching off (median of "
-                      f"{meta.get('repeats')}; every run in brackets):"]
+                      f"{meta.get('repeats')}; every run in brackets"
+                      + ("; a pair is the two arms' runs of one round, taken in turns, so the host's drift "
+                         "cancels within it" if report.get("paired") else "") + "):"]
         lines += [""] + ttft_tables(report["ttft"], "on", "off")
     rows = [("import vllm, s", "import_s"), ("LLM(...) wall, s", "startup_s"), ("model load, s", "load_s"),
             ("engine init (profile, KV cache, warmup, capture), s", "init_engine_s"), ("compilation, s", "compile_s"),

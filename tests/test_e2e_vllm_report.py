@@ -707,13 +707,21 @@ def test_paired_option_reaches_the_arms_and_the_report(e2e, tmp_path):
             (tmp_path / f"arm-{arm['arm']}.json").write_text(json.dumps(arm))
         return e2e.build_report(tmp_path, {"command": "e2e_vllm.py --paired", "model": "tiny", "repeats": 3})
 
+    on["ttft"][0]["ttft_ms_repeats"] = [30.0, 20.0, 18.0]  # the off arm's host slowed in the first round
+    off["ttft"][0]["ttft_ms_repeats"] = [40.0, 16.0, 15.0]
     report = report_of("/tmp/turns-a", "/tmp/turns-a")
     assert report["paired"] == ["off", "on"]
-    assert "Arms off, on side by side (`--paired`)" in e2e.markdown(report)
+    (cell,) = report["ttft"]
+    # per pair 0.75, 1.25, 1.2: on faster in one of three pairs, median ratio 1.2
+    assert (cell["pairs"], cell["on_over_off_paired"], cell["on_faster_pairs"]) == (3, 1.2, 1)
+    text = e2e.markdown(report)
+    assert "Arms off, on side by side (`--paired`)" in text
+    assert "| 512 | 20.00 | 15.00 | 1.333 | 1.200 | 1 of 3 | [30.0, 20.0, 18.0] | [40.0, 16.0, 15.0] |" in text
     # on and off of different runs (one paired, one not; two paired runs): not side by side
     for on_run, off_run in (("/tmp/turns-a", None), (None, "/tmp/turns-a"), ("/tmp/turns-a", "/tmp/turns-b")):
         report = report_of(on_run, off_run)
         assert report["paired"] is None and "side by side" not in e2e.markdown(report)
+        assert "pairs" not in report["ttft"][0]  # repeats of different runs are not pairs
     with pytest.raises(SystemExit, match="two or more"):
         e2e.run_paired(args, ["on"], tmp_path / "log.json", tmp_path / "turns1", 0.0)
     greedy = e2e.parse_args(["--out", str(tmp_path), "--paired", "--gpu-memory-utilization", "0.6"])
