@@ -1421,8 +1421,18 @@ def plot(report: dict, path: Path) -> Optional[str]:
         xs = range(len(lengths))
         right.bar([x - width / 2 for x in xs], [cell["on_ms"] for cell in timed], width, label="on", color="tab:blue")
         right.bar([x + width / 2 for x in xs], [cell["off_ms"] for cell in timed], width, label="off", color="tab:orange")
+        for x, cell in zip(xs, timed):  # every run, so a spread as wide as the gap shows
+            for arm, dx in (("on", -width / 2), ("off", width / 2)):
+                runs = cell.get(f"{arm}_repeats") or []
+                right.plot([x + dx] * len(runs), runs, ".", color="black", markersize=3, alpha=0.6)
+            if "pairs" in cell:
+                top = max([cell["on_ms"], cell["off_ms"], *(cell.get("on_repeats") or []), *(cell.get("off_repeats") or [])])
+                right.annotate(f"per pair {cell['on_over_off_paired']:.2f}\non won {cell['on_faster_pairs']}/{cell['pairs']}",
+                               (x, top), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
         right.set_xticks(list(xs), [str(n) for n in lengths])
-        right.set(xlabel="prompt tokens", ylabel="time to first token, ms", title="prefill")
+        right.set(xlabel="prompt tokens", ylabel="time to first token, ms",
+                  title="prefill (arms in turns: on/off per pair)" if any("pairs" in c for c in timed) else "prefill")
+        right.margins(y=0.15)
         right.legend(fontsize=8)
     else:
         right.set_axis_off()
