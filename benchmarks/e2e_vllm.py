@@ -164,6 +164,10 @@ class Turns:
     its turn, then the turn goes to the next arm still running. Arms measured this way share the
     machine's minutes, so a host that drifts between minutes weighs on both alike.
 
+    The turns go in rounds, every arm one unit a round, in ``order`` in even rounds and reversed in
+    odd ones (A B, B A, A B, ...): a drift within a round favours neither arm over two rounds, as
+    it would the second arm of every round in one fixed order. Unit i of each arm runs in round i.
+
     The turn is a file in ``directory`` naming its holder. An arm through its units leaves a
     ``finished-<arm>`` file, one that has exited (or died: the parent marks it) a ``done-<arm>``;
     either is skipped. A finished arm waits for the others before it exits: its engine's shutdown
@@ -179,24 +183,30 @@ class Turns:
 
     def __init__(self, directory: Optional[Path], arm: str, order: List[str], settle_s: float = 0.0):
         self.directory, self.arm, self.order, self.settle_s = directory, arm, list(order), settle_s
-        self.windows: List[List[float]] = []  # [start, end] of each turn held, epoch seconds
+        self.windows: List[list] = []  # [start, end, round] of each turn held, epoch seconds
         self._held_since: Optional[float] = None
 
     @staticmethod
     def start(directory: Path, order: List[str]) -> None:
-        """The parent, before starting the arms: the first arm holds the turn."""
+        """The parent, before starting the arms: the first arm holds the turn of round 0."""
         directory.mkdir(parents=True, exist_ok=True)
-        Turns._write(directory, order[0])
+        Turns._write(directory, order[0], 0)
 
     @staticmethod
-    def _write(directory: Path, arm: str) -> None:
+    def _write(directory: Path, arm: str, round_: int) -> None:
         scratch = directory / f"turn.{os.getpid()}.tmp"
-        scratch.write_text(arm)
+        scratch.write_text(f"{arm} {round_}")
         os.replace(scratch, directory / "turn")  # atomic: a reader sees the old holder or the new
 
     @staticmethod
+    def state(directory: Path) -> Tuple[str, int]:
+        """(the arm holding the turn, its round)."""
+        arm, round_ = (directory / "turn").read_text().split()
+        return arm, int(round_)
+
+    @staticmethod
     def holder(directory: Path) -> str:
-        return (directory / "turn").read_text()
+        return Turns.state(directory)[0]
 
     def take(self) -> float:
         """Wait for this arm's turn; the seconds waited."""
@@ -211,7 +221,7 @@ class Turns:
     def give(self) -> None:
         if self.directory is not None:
             if self._held_since is not None:
-                self.windows.append([round(self._held_since, 4), round(time.time(), 4)])
+                self.windows.append([round(self._held_since, 4), round(time.time(), 4), self.state(self.directory)[1]])
                 self._held_since = None
             Turns.pass_on(self.directory, self.arm, self.order, self.settle_s)
 
@@ -230,16 +240,23 @@ class Turns:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     @staticmethod
+    def round_order(order: List[str], round_: int) -> List[str]:
+        return list(order) if round_ % 2 == 0 else list(order)[::-1]
+
+    @staticmethod
     def pass_on(directory: Path, arm: str, order: List[str], settle_s: float = 0.0) -> None:
-        """``arm`` gives the turn to the next arm in ``order`` still running, ``settle_s`` from now
-        (keeps it if none is)."""
-        i = order.index(arm)
-        if any(not Turns._out(directory, other) for other in order[i + 1:] + order[:i]):
+        """``arm``, holding the turn, gives it to the next arm still running: later in this round's
+        order, else the first of the next round's (possibly itself), ``settle_s`` from now where
+        another arm is running (it keeps the turn, in the next round, where none is)."""
+        if any(not Turns._out(directory, other) for other in order if other != arm):
             time.sleep(settle_s)
         with Turns._locked(directory):
-            for other in order[i + 1:] + order[:i]:
-                if not Turns._out(directory, other):
-                    Turns._write(directory, other)
+            _, round_ = Turns.state(directory)
+            this = Turns.round_order(order, round_)
+            for other, r in ([(x, round_) for x in this[this.index(arm) + 1:]]
+                             + [(x, round_ + 1) for x in Turns.round_order(order, round_ + 1)]):
+                if not Turns._out(directory, other):  # itself too, unless it is finished or gone
+                    Turns._write(directory, other, r)
                     return
 
     @staticmethod
@@ -1065,9 +1082,11 @@ def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
     """Per prompt length, the time to first token of arm ``a`` against arm ``b`` and each arm's
     profiled prefill; a length profiled in both arms but not timed in both comes with its TTFT
     fields None (an arm run with only some ``--phases``). Arms of one ``--paired`` run also get
-    the median of the per-pair ratios (repeat i of ``a`` beside repeat i of ``b``, minutes apart
-    at most) and the pairs ``a`` won: the host's drift cancels within a pair."""
-    paired = paired_arms(arms, a, b) is not None
+    the median of the per-pair ratios (repeat i of ``a`` and of ``b`` ran in one round of turns)
+    and the pairs ``a`` won: the host's drift cancels within a pair. Not where either arm had an
+    error (a phase cut short shifts its later units to other rounds) or their repeats differ.
+    """
+    paired = paired_arms(arms, a, b) is not None and not arms[a].get("errors") and not arms[b].get("errors")
     ttft = {arm: _by(arms[arm], "ttft", "prompt_tokens") for arm in (a, b)}
     prefill = {arm: _by(arms[arm], "profile_prefill", "prompt_tokens") for arm in (a, b)}
     timed = [n for n in ttft[a] if n in ttft[b]]
@@ -1079,8 +1098,9 @@ def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
             cell = {"prompt_tokens": length, f"{a}_ms": row_a["ttft_ms"], f"{b}_ms": row_b["ttft_ms"],
                     f"{a}_over_{b}": round(row_a["ttft_ms"] / row_b["ttft_ms"], 3),
                     f"{a}_repeats": row_a.get("ttft_ms_repeats"), f"{b}_repeats": row_b.get("ttft_ms_repeats")}
-            pairs = list(zip(cell[f"{a}_repeats"] or (), cell[f"{b}_repeats"] or ()))
-            if paired and pairs:
+            runs_a, runs_b = cell[f"{a}_repeats"] or [], cell[f"{b}_repeats"] or []
+            pairs = list(zip(runs_a, runs_b))
+            if paired and pairs and len(runs_a) == len(runs_b):
                 cell["pairs"] = len(pairs)
                 cell[f"{a}_over_{b}_paired"] = round(statistics.median(x / y for x, y in pairs), 3)
                 cell[f"{a}_faster_pairs"] = sum(x < y for x, y in pairs)
@@ -1194,14 +1214,14 @@ def host_ops_table(cell: dict, a: str, b: str) -> List[str]:
 def ttft_tables(cells: List[dict], a: str, b: str) -> List[str]:
     timed = [cell for cell in cells if cell.get(f"{a}_ms") is not None]
     lines = []
-    if timed and all("pairs" in cell for cell in timed):
+    if timed and any("pairs" in cell for cell in timed):
         lines += [f"| prompt tokens | {a} ms | {b} ms | {a}/{b} | {a}/{b} per pair, median | {a} faster in | "
                   f"{a} runs | {b} runs |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for cell in timed:
+            won = f"{cell[f'{a}_faster_pairs']} of {cell['pairs']}" if "pairs" in cell else "-"
             lines.append(f"| {cell['prompt_tokens']} | {_fmt(cell[f'{a}_ms'], 2)} | {_fmt(cell[f'{b}_ms'], 2)} | "
-                         f"{_fmt(cell[f'{a}_over_{b}'], 3)} | {_fmt(cell[f'{a}_over_{b}_paired'], 3)} | "
-                         f"{cell[f'{a}_faster_pairs']} of {cell['pairs']} | {cell[f'{a}_repeats']} | "
-                         f"{cell[f'{b}_repeats']} |")
+                         f"{_fmt(cell[f'{a}_over_{b}'], 3)} | {_fmt(cell.get(f'{a}_over_{b}_paired'), 3)} | "
+                         f"{won} | {cell[f'{a}_repeats']} | {cell[f'{b}_repeats']} |")
     elif timed:
         lines += [f"| prompt tokens | {a} ms | {b} ms | {a}/{b} | {a} runs | {b} runs |",
                   "| --- | --- | --- | --- | --- | --- |"]
@@ -1328,7 +1348,7 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         if any(cell.get("on_ms") is not None for cell in report["ttft"]):
             lines += ["", f"Time to first token, one request at a time, prefix caching off (median of "
                       f"{meta.get('repeats')}; every run in brackets"
-                      + ("; a pair is the two arms' runs of one round, taken in turns, so the host's drift "
+                      + ("; a pair is the two arms' runs of one round of turns, so the host's drift "
                          "cancels within it" if report.get("paired") else "") + "):"]
         lines += [""] + ttft_tables(report["ttft"], "on", "off")
     rows = [("import vllm, s", "import_s"), ("LLM(...) wall, s", "startup_s"), ("model load, s", "load_s"),

@@ -663,10 +663,13 @@ def _run_arms(e2e, tmp_path, units, settle_s=0.0, crash_after=None):
 def test_paired_arms_take_strict_turns(e2e, tmp_path):
     log, turns = _run_arms(e2e, tmp_path, {"on": 4, "off": 4, "dispatch": 4}, settle_s=0.01)
     units = [entry for entry in log if entry[1] != "exit"]
-    # never two arms inside a unit at once, and the arms in --arms order, round after round
-    assert units == [(arm, edge) for _ in range(4) for arm in ("on", "off", "dispatch") for edge in ("in", "out")]
+    # never two arms inside a unit at once; each round every arm once, in --arms order in even
+    # rounds and reversed in odd ones
+    rounds = [("on", "off", "dispatch"), ("dispatch", "off", "on")] * 2
+    assert units == [(arm, edge) for order in rounds for arm in order for edge in ("in", "out")]
     windows = sorted((w, arm) for arm, t in turns.items() for w in t.windows)
     assert len(windows) == 3 * (4 + 1)  # every unit and the finishing turn
+    assert [(w[2], arm) for w, arm in windows[:12]] == [(r, arm) for r, order in enumerate(rounds) for arm in order]
     for (earlier, _), (later, _) in zip(windows, windows[1:]):
         assert earlier[1] <= later[0]  # windows do not overlap...
     settles = [later[0] - earlier[1] for (earlier, _), (later, _) in zip(windows, windows[1:])]
@@ -678,9 +681,9 @@ def test_paired_arms_take_strict_turns(e2e, tmp_path):
 
 def test_paired_arms_go_on_when_one_finishes_early_or_dies(e2e, tmp_path):
     log, _ = _run_arms(e2e, tmp_path / "uneven", {"on": 2, "off": 5})
-    assert [arm for arm, edge in log if edge == "in"] == ["on", "off", "on", "off", "off", "off", "off"]
+    assert [arm for arm, edge in log if edge == "in"] == ["on", "off", "off", "on", "off", "off", "off"]
     log, _ = _run_arms(e2e, tmp_path / "crash", {"on": 5, "off": 5}, crash_after=("off", 2))
-    assert [arm for arm, edge in log if edge == "in"] == ["on", "off", "on", "off", "on", "on", "on"]
+    assert [arm for arm, edge in log if edge == "in"] == ["on", "off", "off", "on", "on", "on", "on"]
 
 
 def test_without_pairing_every_turn_is_taken_at_once(e2e):
@@ -722,6 +725,14 @@ def test_paired_option_reaches_the_arms_and_the_report(e2e, tmp_path):
         report = report_of(on_run, off_run)
         assert report["paired"] is None and "side by side" not in e2e.markdown(report)
         assert "pairs" not in report["ttft"][0]  # repeats of different runs are not pairs
+    # an arm whose phase failed (its later units shifted to other rounds), or repeats that differ:
+    # the arms were paired, their repeats are not pairs
+    off["errors"] = ["decode: RuntimeError()"]
+    report = report_of("/tmp/turns-a", "/tmp/turns-a")
+    assert report["paired"] == ["off", "on"] and "pairs" not in report["ttft"][0]
+    assert "| 512 | 20.00 | 15.00 | 1.333 | [30.0, 20.0, 18.0] | [40.0, 16.0, 15.0] |" in e2e.markdown(report)
+    off["errors"], off["ttft"][0]["ttft_ms_repeats"] = [], [40.0, 16.0]
+    assert "pairs" not in report_of("/tmp/turns-a", "/tmp/turns-a")["ttft"][0]
     with pytest.raises(SystemExit, match="two or more"):
         e2e.run_paired(args, ["on"], tmp_path / "log.json", tmp_path / "turns1", 0.0)
     greedy = e2e.parse_args(["--out", str(tmp_path), "--paired", "--gpu-memory-utilization", "0.6"])
@@ -741,6 +752,8 @@ def test_an_arm_dying_while_handed_the_turn_is_skipped(e2e, tmp_path):
     __import__("time").sleep(0.1)
     e2e.Turns.leave(tmp_path, "off", order)  # "off" died during "on"'s settle
     giver.join(timeout=10)
-    assert e2e.Turns.holder(tmp_path) == "dispatch"
-    e2e.Turns.leave(tmp_path, "dispatch", order)  # the holder dies: its turn goes on at once
-    assert e2e.Turns.holder(tmp_path) == "on"
+    assert e2e.Turns.state(tmp_path) == ("dispatch", 0)
+    e2e.Turns.leave(tmp_path, "dispatch", order)  # the holder dies: its turn goes on at once, to the next
+    assert e2e.Turns.state(tmp_path) == ("on", 1)  # round's first alive (reversed: dispatch, off, on)
+    e2e.Turns.leave(tmp_path, "on", order)  # the last one alive leaves: nobody is handed the turn
+    assert e2e.Turns.state(tmp_path) == ("on", 1)

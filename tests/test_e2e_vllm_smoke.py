@@ -186,10 +186,14 @@ def test_paired_arms_took_turns(smoke):
         assert report["paired"] is None and "turn_windows" not in smoke.arm("on")
         return
     assert report["paired"] == ["on", "off"]
-    windows = sorted((start, end, arm) for arm in ("on", "off") for start, end in smoke.arm(arm)["turn_windows"])
+    windows = sorted((start, end, arm, round_) for arm in ("on", "off")
+                     for start, end, round_ in smoke.arm(arm)["turn_windows"])
     # startup, 3 decode cells, 2 TTFT prompts, agreement, 2 teacher-forced passes, 3 profiled passes, finishing
-    assert len(windows) == 2 * (1 + 3 + 2 + 1 + 2 + 3 + 1)
-    assert [arm for _, _, arm in windows] == ["on", "off"] * (len(windows) // 2)
-    for (_, end, _), (start, _, _) in zip(windows, windows[1:]):
+    rounds = 1 + 3 + 2 + 1 + 2 + 3 + 1
+    assert len(windows) == 2 * rounds
+    # round r: unit r of each arm, in --arms order in even rounds and reversed in odd ones
+    assert [(arm, round_) for _, _, arm, round_ in windows] == [
+        (arm, r) for r in range(rounds) for arm in (("on", "off") if r % 2 == 0 else ("off", "on"))]
+    for (_, end, _, _), (start, _, _, _) in zip(windows, windows[1:]):
         assert end < start
     assert "Arms on, off side by side (`--paired`)" in (smoke.out / "e2e.md").read_text()
