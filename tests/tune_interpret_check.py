@@ -68,7 +68,12 @@ def main(cache: Path) -> None:
     logged = []
     table, extra = tune.tune(measure, GPU, {"torch": torch.__version__}, max_tokens=256, grouped_max=8,
                              budget_s=600, generator="tune_interpret_check", grouped_candidates=[SLOW, FAST],
-                             prefill_candidates=[SLOW_PREFILL, FAST_PREFILL], family="tl", log=logged.append)
+                             prefill_candidates=[SLOW_PREFILL, FAST_PREFILL], family="tl", compile_workers=2,
+                             log=logged.append)
+    # the candidates ran in two worker processes first (the reference config, and each candidate
+    # at the counts the search times it); what follows is the search's own, as without them
+    compiled = [line for line in logged if line.startswith("[tune] compiled ")]
+    assert len(compiled) == 1 and compiled[0].startswith("[tune] compiled 4 of 4 candidates in 2 processes"), logged
     r = table.routes
     # the search kept the cheaper config at every searched count
     assert {e["M"]: e["config"]["w13_block_k"] for e in table.grouped} == {1: 32, 2: 32, 4: 32, 8: 32}, table.grouped

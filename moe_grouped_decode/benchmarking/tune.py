@@ -33,6 +33,11 @@ weights through one CUDA graph:
    faster route), the plugin's route and time per count, the verdict (``tables.verdict``:
    admitted only if faster than every vLLM backend at every count).
 
+``--compile-workers N`` compiles the search's candidates in N processes before step 1 (each
+launched once at the counts it will be timed at, into Triton's on-disk cache), within the
+search's budget: at a new shape a candidate's first launch otherwise sits in the compiler for
+seconds, one after another, and the budget ends after a few counts.
+
 Writes the measured table to a user's cache (``tables.cache_dir``, keyed by GPU, shape, dtype
 and the torch / Triton / vLLM versions), which the vLLM plugin reads at startup, or with
 ``--ship`` to the package's ``tables/``; and ``--report-dir``'s JSON, Markdown and plot. A shape
@@ -54,6 +59,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .. import tables
+from .precompile import CompileJob, compile_candidates, jobs_for
 
 # token counts timed on every route (to --max-tokens): every count where decode batches live,
 # then about three a doubling, where the routes and vLLM's backends cross
@@ -501,14 +507,22 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
          grouped_max: int = 256, budget_s: float = 130.0, refine: bool = True, refine_budget_s: float = 45.0,
          generator: str = "",
          grouped_candidates: Sequence = (), prefill_candidates: Sequence = (), family: str = "gluon",
-         log=print) -> Tuple[tables.MeasuredTable, dict]:
+         compile_workers: int = 0, log=print) -> Tuple[tables.MeasuredTable, dict]:
     """Search, measure and decide (module docstring); returns the table and what could not be
-    measured ({"missing": {backend: why}})."""
+    measured ({"missing": {backend: why}}). ``compile_workers``: compile the search's candidates in
+    that many processes first (``precompile``), within the search's budget."""
     tokens = token_grid(max_tokens)
     grouped_search = [m for m in GROUPED_SEARCH_TOKENS if m <= grouped_max]
     prefill_search = sorted({m for m in PREFILL_SEARCH_TOKENS if m <= max_tokens} | {max_tokens})
     progress = Progress(len(grouped_search) * len(grouped_candidates) + len(prefill_search) * len(prefill_candidates)
                         + len(tokens) + sum(m <= grouped_max for m in tokens) + 1)
+    if compile_workers > 0:
+        began = time.time()
+        compile_candidates(measure.spec.shape, measure.spec.dtype,
+                           compile_jobs(measure.spec.shape, grouped_search, grouped_candidates, prefill_search,
+                                        prefill_candidates),
+                           compile_workers, timeout_s=budget_s / 2, log=log, max_grouped=max(grouped_search, default=0))
+        budget_s = max(budget_s - (time.time() - began), budget_s / 2)  # the search times what compiled
     # each route's search gets its share of the budget (new shapes compile every candidate first)
     started = time.time()
     grouped_share = budget_s * len(grouped_search) / max(1, len(grouped_search) + len(prefill_search))
@@ -539,6 +553,21 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
         best_prefill = refine_prefill(measure, timings, best_prefill, prefill_candidates, table_of, progress,
                                       time.time() + refine_budget_s, log, searched=prefill_searched)
     return table_of(timings), {"missing": missing, "timings": {m: dataclasses.asdict(t) for m, t in timings.items()}}
+
+
+def compile_jobs(shape, grouped_search: Sequence[int], grouped_candidates: Sequence, prefill_search: Sequence[int],
+                 prefill_candidates: Sequence) -> List[CompileJob]:
+    """What ``search`` will launch: each grouped candidate at the grouped counts, each prefill
+    candidate at the prefill counts whose group-size filter keeps it, and the prefill route's
+    default config (every count's reference output) at all of them."""
+    from ..kernels.config import PrefillConfig
+
+    timed_at = {M: plausible_prefill(prefill_candidates, M, shape) for M in prefill_search}
+    jobs = jobs_for("grouped", grouped_candidates, grouped_search)
+    jobs += jobs_for("prefill", prefill_candidates, prefill_search,
+                     counts_for=lambda config: [M for M in prefill_search if config in timed_at[M]])
+    reference = CompileJob("prefill", PrefillConfig(), tuple(sorted({*grouped_search, *prefill_search})))
+    return [reference] + [job for job in jobs if job.config != reference.config]
 
 
 def refine_prefill(measure: Measurement, timings: Dict[int, "Timings"], best: Dict[int, object],
@@ -767,7 +796,8 @@ def run(args, spec: LayerSpec) -> int:
                         budget_s=args.budget_s, refine=not args.no_refine, refine_budget_s=args.refine_budget_s,
                         generator=command,
                         grouped_candidates=grouped_candidates(capability, family),
-                        prefill_candidates=prefill_candidates(capability, spec.shape), family=family)
+                        prefill_candidates=prefill_candidates(capability, spec.shape), family=family,
+                        compile_workers=args.compile_workers)
     for backend, why in extra["missing"].items():
         print(f"[tune] vLLM's {backend}: {why}", flush=True)
     verdict = tables.verdict(table, args.max_tokens)
@@ -802,6 +832,10 @@ def main(argv=None) -> int:
     parser.add_argument("--grouped-max", type=int, default=256, help="the grouped op is timed up to this M")
     parser.add_argument("--budget-s", type=float, default=130.0, help="seconds for the config search (with the "
                         "measurement and --refine-budget-s, about 5 minutes a shape on an H100)")
+    parser.add_argument("--compile-workers", type=int, default=0,
+                        help="compile the search's candidates in this many processes first (each its own CUDA "
+                             "context and one layer of weights), within --budget-s; default 0: each compiles at its "
+                             "first timing, one after another")
     parser.add_argument("--reps", type=int, default=20, help="CUDA-graph replays per timing (the median is kept)")
     parser.add_argument("--large-layers", type=int, default=8, help="layers rotated where every expert is read")
     parser.add_argument("--refine-budget-s", type=float, default=45.0, help="seconds for the prefill route's "
