@@ -27,11 +27,11 @@ def test_compile_jobs_are_what_the_search_launches():
                for rows in (8, 16, 32, 64, 128)]
     grouped = [GroupedConfig(w13_kernel="tl"), GroupedConfig(), GroupedConfig(w13_kernel="tl")]  # one twice
     jobs = tune.compile_jobs(QWEN, (1, 4), grouped, (256, 16384), prefill + [PrefillConfig()])
-    # the reference config first, at every count either search launches it for the check
-    assert jobs[0] == CompileJob("prefill", PrefillConfig(), (1, 4, 256, 16384))
+    # the reference config first, a job at each count either search launches it at for the check
+    assert jobs[:4] == [CompileJob("prefill", PrefillConfig(), (M,)) for M in (1, 4, 256, 16384)]
     # each grouped candidate once at the grouped counts; each prefill candidate at the counts whose
     # group-size filter keeps it (an expert has 5 rows at 256 tokens, 320 at 16384), 32-row groups at none
-    assert jobs[1:] == [CompileJob("grouped", grouped[0], (1, 4)), CompileJob("grouped", grouped[1], (1, 4)),
+    assert jobs[4:] == [CompileJob("grouped", grouped[0], (1, 4)), CompileJob("grouped", grouped[1], (1, 4)),
                         CompileJob("prefill", prefill[0], (256,)), CompileJob("prefill", prefill[1], (256,)),
                         CompileJob("prefill", prefill[3], (16384,)), CompileJob("prefill", prefill[4], (16384,))]
 
@@ -53,23 +53,39 @@ def test_workers_launch_on_the_interpreter():
 
 
 GPU_CHECK = textwrap.dedent("""
-    import os, sys
+    import os, sys, time
     from pathlib import Path
-    from moe_grouped_decode.benchmarking.precompile import CompileJob, compile_candidates, run_job
+    import torch
+    from moe_grouped_decode.awq import synthetic_moe_weights
+    from moe_grouped_decode.benchmarking import tune
+    from moe_grouped_decode.benchmarking.precompile import compile_candidates
     from moe_grouped_decode.kernels.config import GroupedConfig, PrefillConfig
 
-    shape = (512, 10, 2560, 160, 32)
-    jobs = [CompileJob("grouped", GroupedConfig(w13_kernel="tl", w2_kernel="tl", w13_block_k=128), (1, 5)),
-            CompileJob("prefill", PrefillConfig(kernel="wgmma", block_rows=32, w13_block_k=64), (256,)),
-            CompileJob("prefill", PrefillConfig(), (1, 5, 256))]
-    results = compile_candidates(shape, "fp16", jobs, workers=2, timeout_s=600, max_grouped=5)
-    assert [r.error for r in results] == [None] * 3, results
+    spec = tune.LayerSpec((512, 10, 2560, 160, 32), "fp16", "precompile-check")
+    grouped = [GroupedConfig(), GroupedConfig(w13_kernel="tl", w2_kernel="tl", w13_block_k=128)]
+    prefill = [PrefillConfig(kernel="wgmma", block_rows=32, w13_block_k=64), PrefillConfig()]
+    grouped_counts, prefill_counts = (1, 5), (256,)
+    jobs = tune.compile_jobs(spec.shape, grouped_counts, grouped, prefill_counts, prefill)
+    results = compile_candidates(spec.shape, "fp16", jobs, workers=3, timeout_s=600, max_grouped=max(grouped_counts))
+    assert len(results) == len(jobs) and all(r.error is None for r in results), results
     cache = Path(os.environ["TRITON_CACHE_DIR"])
-    before = sorted(p.name for p in cache.rglob("*") if p.is_file())
+    before = sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file())
     assert before, "the workers wrote no binary"
-    for job in jobs:  # the search's first launches, in this process
-        assert run_job(shape, "fp16", 5, job).error is None
-    after = sorted(p.name for p in cache.rglob("*") if p.is_file())
+
+    # the search itself, in this process, as tune runs it: its launches must all hit the cache
+    layers = [synthetic_moe_weights(512, 2560, 160, 32, dtype=torch.float16, seed=1000, device="cuda")]
+
+    def clock(step, calls, key):
+        for i in range(calls):
+            step(i)
+        torch.cuda.synchronize()
+        return 1.0
+
+    measure = tune.Measurement(spec, layers, clock, lambda inputs: {}, torch.device("cuda"))
+    progress = tune.Progress(100, out=open(os.devnull, "w"))
+    tune.search(measure, "grouped", grouped_counts, grouped, progress, time.time() + 600)
+    tune.search(measure, "prefill", prefill_counts, prefill, progress, time.time() + 600)
+    after = sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file())
     assert after == before, sorted(set(after) - set(before))
     print("gpu precompile check passed", len(before))
 """)

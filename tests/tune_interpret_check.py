@@ -72,8 +72,9 @@ def main(cache: Path) -> None:
                              log=logged.append)
     # the candidates ran in two worker processes first (the reference config, and each candidate
     # at the counts the search times it); what follows is the search's own, as without them
-    compiled = [line for line in logged if line.startswith("[tune] compiled ")]
-    assert len(compiled) == 1 and compiled[0].startswith("[tune] compiled 4 of 4 candidates in 2 processes"), logged
+    # (5 jobs of the reference config, one per searched count, 2 grouped candidates, 1 prefill one)
+    compiled = [line for line in logged if line.startswith("[tune] ran ")]
+    assert len(compiled) == 1 and compiled[0].startswith("[tune] ran 8 of 8 candidates in 2 processes"), logged
     r = table.routes
     # the search kept the cheaper config at every searched count
     assert {e["M"]: e["config"]["w13_block_k"] for e in table.grouped} == {1: 32, 2: 32, 4: 32, 8: 32}, table.grouped

@@ -33,7 +33,7 @@ class CompileJob:
 class CompileResult:
     job: CompileJob
     seconds: float
-    error: Optional[str] = None  # what the first failing launch raised (its counts after it not run)
+    error: Optional[str] = None  # what the first failing launch raised (the job's later counts were skipped)
 
 
 # per worker process: (shape, dtype name, device) -> the layer and a grouped workspace
@@ -89,9 +89,9 @@ def jobs_for(route: str, candidates: Sequence, counts: Sequence[int],
         raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
     jobs = []
     for config in dict.fromkeys(candidates):
-        mine = tuple(counts_for(config)) if counts_for is not None else tuple(counts)
-        if mine:
-            jobs.append(CompileJob(route, config, mine))
+        timed_counts = tuple(counts_for(config)) if counts_for is not None else tuple(counts)
+        if timed_counts:
+            jobs.append(CompileJob(route, config, timed_counts))
     return jobs
 
 
@@ -122,11 +122,15 @@ def compile_candidates(shape, dtype_name: str, jobs: Sequence[CompileJob], worke
         if pending:
             log(f"[tune] compiling in workers: {len(pending)} candidates not done in {timeout_s:.0f} s, left to the search")
     finally:
+        # every worker gone before the search times anything: one still compiling, running or
+        # tearing down its CUDA context would share the GPU and the host with the timings
         processes = list((getattr(pool, "_processes", None) or {}).values())
         pool.shutdown(wait=False, cancel_futures=True)
-        for process in processes if pending else ():  # one still compiling or running would hold the GPU
+        for process in processes:
             process.terminate()
+        for process in processes:
+            process.join(timeout=30)
     failed = sum(r.error is not None for r in results.values())
-    log(f"[tune] compiled {len(results)} of {len(jobs)} candidates in {min(workers, len(jobs))} processes in "
+    log(f"[tune] ran {len(results)} of {len(jobs)} candidates in {min(workers, len(jobs))} processes in "
         f"{time.perf_counter() - began:.0f} s" + (f" ({failed} did not run at this shape)" if failed else ""))
     return [results[i] for i in range(len(jobs)) if i in results]

@@ -518,11 +518,16 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
                         + len(tokens) + sum(m <= grouped_max for m in tokens) + 1)
     if compile_workers > 0:
         began = time.time()
-        compile_candidates(measure.spec.shape, measure.spec.dtype,
-                           compile_jobs(measure.spec.shape, grouped_search, grouped_candidates, prefill_search,
-                                        prefill_candidates),
-                           compile_workers, timeout_s=budget_s / 2, log=log, max_grouped=max(grouped_search, default=0))
-        budget_s = max(budget_s - (time.time() - began), budget_s / 2)  # the search times what compiled
+        try:
+            compile_candidates(measure.spec.shape, measure.spec.dtype,
+                               compile_jobs(measure.spec.shape, grouped_search, grouped_candidates, prefill_search,
+                                            prefill_candidates),
+                               compile_workers, timeout_s=budget_s / 2, log=log,
+                               max_grouped=max(grouped_search, default=0))
+        except Exception as error:  # the workers only save the search time: it compiles what they did not
+            log(f"[tune] compiling in workers failed: {type(error).__name__}: {error}"[:300])
+        # the search keeps at least half its budget: the workers cannot take the timing's share
+        budget_s = max(budget_s - (time.time() - began), budget_s / 2)
     # each route's search gets its share of the budget (new shapes compile every candidate first)
     started = time.time()
     grouped_share = budget_s * len(grouped_search) / max(1, len(grouped_search) + len(prefill_search))
@@ -557,17 +562,19 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
 
 def compile_jobs(shape, grouped_search: Sequence[int], grouped_candidates: Sequence, prefill_search: Sequence[int],
                  prefill_candidates: Sequence) -> List[CompileJob]:
-    """What ``search`` will launch: each grouped candidate at the grouped counts, each prefill
-    candidate at the prefill counts whose group-size filter keeps it, and the prefill route's
-    default config (every count's reference output) at all of them."""
+    """What the first ``search`` of each route will launch: each grouped candidate at the grouped
+    counts, each prefill candidate at the prefill counts whose group-size filter keeps it, and the
+    prefill route's default config (every count's reference output) at each of them, a job a
+    count so that no one worker compiles all its buckets. (The refinement and the measurement
+    launch the winners at more counts; those compile there.)"""
     from ..kernels.config import PrefillConfig
 
     timed_at = {M: plausible_prefill(prefill_candidates, M, shape) for M in prefill_search}
     jobs = jobs_for("grouped", grouped_candidates, grouped_search)
     jobs += jobs_for("prefill", prefill_candidates, prefill_search,
                      counts_for=lambda config: [M for M in prefill_search if config in timed_at[M]])
-    reference = CompileJob("prefill", PrefillConfig(), tuple(sorted({*grouped_search, *prefill_search})))
-    return [reference] + [job for job in jobs if job.config != reference.config]
+    references = [CompileJob("prefill", PrefillConfig(), (M,)) for M in sorted({*grouped_search, *prefill_search})]
+    return references + [job for job in jobs if job.config != PrefillConfig()]
 
 
 def refine_prefill(measure: Measurement, timings: Dict[int, "Timings"], best: Dict[int, object],
