@@ -62,9 +62,10 @@ MoE layers (the plugin's startup lines).
 ``--paired`` runs the arms side by side instead: every arm's engine up at once
 on the one device (started one after another, each with an even share of vLLM's
 default GPU memory), then every timed unit (a decode or TTFT repeat, a profiled
-pass) taken in turns, arm after arm. A host-bound cell (an eager prefill) moves
-with the host's speed, which on a shared machine drifts by a quarter between
-minutes; in turns the drift weighs on every arm alike.
+pass) taken in turns, one unit an arm a round, the order reversed every other
+round. A host-bound cell (an eager prefill) moves with the host's speed, which
+on a shared machine drifts by a quarter between minutes; in turns the drift
+weighs on every arm alike.
 
 On the GPU (vLLM 0.26 installed by ../shared/vllm_gpu), all arms in one call or
 one arm per call with the same options and ``--out`` (the report is written
@@ -1328,7 +1329,8 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         f"Engine (on): {report['engine'].get('on')}.",
         f"Command: `{meta.get('command')}`.", "",
         *([f"Arms {', '.join(report['paired'])} side by side (`--paired`): their engines up at once on this device, "
-           "each timed unit (a decode or TTFT repeat, a profiled pass) taken in turns, arm after arm, so the host's "
+           "each timed unit (a decode or TTFT repeat, a profiled pass) taken in turns, one unit an arm a round, the "
+           "order reversed every other round, so the host's "
            "drift between minutes weighs on every arm alike.", ""] if report.get("paired") else []),
         "MoE layers served by (the plugin's startup lines; where the plugin leaves a shape to vLLM, 'on' runs "
         "vLLM's own backend as 'off' does):", "",
@@ -1597,7 +1599,8 @@ def parse_args(argv=None):
                         help="run the --arms side by side: every arm's engine up at once on the one device (each with "
                              "vLLM's default 0.9 of GPU memory split evenly, unless --gpu-memory-utilization), started "
                              "one after another, then every timed unit (a decode or TTFT repeat, a profiled pass) "
-                             "taken in turns, arm after arm, so a host whose speed drifts weighs on every arm alike")
+                             "taken in turns, one unit an arm a round (the order reversed every other round), so a host "
+                             "whose speed drifts weighs on every arm alike")
     parser.add_argument("--turn-settle-s", type=float, default=1.2,
                         help="--paired: seconds between one arm's unit and the next arm's (vLLM's shared-memory "
                              "queue readers busy-loop for 1 s after their last message)")
