@@ -720,6 +720,9 @@ def test_paired_option_reaches_the_arms_and_the_report(e2e, tmp_path):
     text = e2e.markdown(report)
     assert "Arms off, on side by side (`--paired`)" in text
     assert "| 512 | 20.00 | 15.00 | 1.333 | 1.200 | 1 of 3 | [30.0, 20.0, 18.0] | [40.0, 16.0, 15.0] |" in text
+    if __import__("importlib").util.find_spec("matplotlib"):  # every run a dot, the pair's ratio annotated
+        assert e2e.plot(report, tmp_path / "paired.png") is None
+        assert (tmp_path / "paired.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # on and off of different runs (one paired, one not; two paired runs): not side by side
     for on_run, off_run in (("/tmp/turns-a", None), (None, "/tmp/turns-a"), ("/tmp/turns-a", "/tmp/turns-b")):
         report = report_of(on_run, off_run)
