@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -627,7 +629,7 @@ def _run_arms(e2e, tmp_path, units, settle_s=0.0, crash_after=None):
     held and when; ``crash_after``: (arm, n) dies after n units, the parent marking it as it would."""
     order = list(units)
     e2e.Turns.start(tmp_path, order)
-    log, lock, errors = [], __import__("threading").Lock(), []
+    log, lock, errors = [], threading.Lock(), []
     turns = {arm: e2e.Turns(tmp_path, arm, order, settle_s) for arm in order}
 
     def arm_body(arm):
@@ -639,7 +641,7 @@ def _run_arms(e2e, tmp_path, units, settle_s=0.0, crash_after=None):
                 with turns[arm].turn():
                     with lock:
                         log.append((arm, "in"))
-                    __import__("time").sleep(0.003)
+                    time.sleep(0.003)
                     with lock:
                         log.append((arm, "out"))
             turns[arm].finish()
@@ -647,8 +649,6 @@ def _run_arms(e2e, tmp_path, units, settle_s=0.0, crash_after=None):
                 log.append((arm, "exit"))
         except Exception as error:  # noqa: BLE001  (reported below)
             errors.append(error)
-
-    import threading
 
     threads = [threading.Thread(target=arm_body, args=(arm,), daemon=True) for arm in order]
     for thread in threads:
@@ -720,7 +720,7 @@ def test_paired_option_reaches_the_arms_and_the_report(e2e, tmp_path):
     text = e2e.markdown(report)
     assert "Arms off, on side by side (`--paired`)" in text
     assert "| 512 | 20.00 | 15.00 | 1.333 | 1.200 | 1 of 3 | [30.0, 20.0, 18.0] | [40.0, 16.0, 15.0] |" in text
-    if __import__("importlib").util.find_spec("matplotlib"):  # every run a dot, the pair's ratio annotated
+    if importlib.util.find_spec("matplotlib"):  # every run a dot, the pair's ratio annotated
         assert e2e.plot(report, tmp_path / "paired.png") is None
         assert (tmp_path / "paired.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # on and off of different runs (one paired, one not; two paired runs): not side by side
@@ -746,13 +746,11 @@ def test_paired_option_reaches_the_arms_and_the_report(e2e, tmp_path):
 def test_an_arm_dying_while_handed_the_turn_is_skipped(e2e, tmp_path):
     """The parent marks a dead arm while another arm waits out the settle before handing it the
     turn: the turn goes to the next arm alive, never to the dead one."""
-    import threading
-
     order = ["on", "off", "dispatch"]
     e2e.Turns.start(tmp_path, order)
     giver = threading.Thread(target=e2e.Turns.pass_on, args=(tmp_path, "on", order, 0.3))
     giver.start()
-    __import__("time").sleep(0.1)
+    time.sleep(0.1)
     e2e.Turns.leave(tmp_path, "off", order)  # "off" died during "on"'s settle
     giver.join(timeout=10)
     assert e2e.Turns.state(tmp_path) == ("dispatch", 0)
