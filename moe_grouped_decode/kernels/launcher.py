@@ -10,16 +10,16 @@ tensor's dtype and whether its address is 16-byte aligned; each int's range, div
 and being 1; None and bools as constants), the current device, and the constexprs and options,
 which a ``Launch`` fixes. The cache here keys on something finer: the ``Launch`` itself, the
 current device, each tensor's dtype, alignment and being on the GPU, and every other argument's
-type and exact value. A hit is therefore an argument list Triton would have given the same binary, and it is
-launched the way Triton launches it (the compiled kernel's own runner: the current stream, the
-launch hooks), with each tensor given as its address: the key has read it already, and Triton's
-launcher would otherwise ask the tensor again and the driver whether it is a device address (a
-host tensor is a key of its own, which Triton's dispatch refuses; a kernel that declares launch
-metadata, whose hooks see its arguments, keeps Triton's dispatch). The launches of one op call
-share one query of the current device and stream (``Call``). Not part of the key, as they cost
-host time to read: Triton's debug and instrumentation knobs (a binary compiled before one is set
-keeps running) and the module globals a kernel reads (Triton refuses a changed one; the kernels
-here read constants only).
+type and exact value. A hit is therefore an argument list Triton would have given the same
+binary, and it is launched the way Triton launches it (the compiled kernel's own runner: the
+current stream, the launch hooks), with each tensor given as its address: the key has read it
+already, and Triton's launcher would otherwise ask the tensor again and the driver whether it is
+a device address (a host tensor is a key of its own, which Triton's dispatch refuses; a kernel
+that declares launch metadata, whose hooks see its arguments, keeps Triton's dispatch). The
+launches of one op call share one query of the current device and stream (``Call``). Not part
+of the key, as they cost host time to read: Triton's debug and instrumentation knobs (a binary
+compiled before one is set keeps running) and the module globals a kernel reads (Triton refuses
+a changed one; the kernels here read constants only).
 
 Only compiled ``JITFunction`` launches over tensors, ints, floats, bools and None are cached:
 under ``TRITON_INTERPRET=1`` every launch goes through Triton, as does any kernel with pre-run
@@ -87,12 +87,6 @@ class Call:
         return self._stream
 
 
-def _key(launch, args: Sequence, device: int) -> Tuple:
-    return (id(launch), device, *[
-        (arg.dtype, arg.data_ptr() % 16 == 0, arg.is_cuda) if isinstance(arg, torch.Tensor) else (type(arg), arg)
-        for arg in args])
-
-
 def _key_and_addresses(launch, args: Sequence, device: int) -> Tuple[Tuple, List]:
     """``_key`` and the arguments with every tensor replaced by its address, in one pass."""
     key, plain = [id(launch), device], []
@@ -106,6 +100,10 @@ def _key_and_addresses(launch, args: Sequence, device: int) -> Tuple[Tuple, List
             key.append((type(arg), arg))
             plain.append(arg)
     return tuple(key), plain
+
+
+def _key(launch, args: Sequence, device: int) -> Tuple:
+    return _key_and_addresses(launch, args, device)[0]
 
 
 def enabled() -> bool:
