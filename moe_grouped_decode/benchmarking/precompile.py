@@ -109,7 +109,6 @@ def compile_candidates(shape, dtype_name: str, jobs: Sequence[CompileJob], worke
     results: Dict[int, CompileResult] = {}
     order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i].counts))  # the longest first: the pool ends evenly
     pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn"))
-    pending: set = set()
     try:
         futures = {pool.submit(run_job, shape, dtype_name, max_grouped, jobs[i]): i for i in order}
         done, pending = wait(futures, timeout=timeout_s)
