@@ -32,3 +32,13 @@ def test_kernels_match_reference_at_shape_edges_under_interpreter():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "all interpreter shape checks passed" in result.stdout
+
+
+def test_marlin_grouped_kernels_match_reference_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
+    result = subprocess.run(
+        [sys.executable, str(HERE / "interpret_marlin_check.py")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "all interpreter marlin checks passed" in result.stdout

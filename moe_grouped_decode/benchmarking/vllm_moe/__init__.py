@@ -21,7 +21,10 @@ about a minute on 16 cores). Modules: ``shape`` (vLLM's shape rules), ``sources`
 against the anchors: ``benchmarks/vllm_moe_check.py``.
 """
 
-from .shape import MoeShape
+from .marlin import MarlinRunner, make_locks, prepare_marlin_layer
+from .ops import load_ops
+from .shape import MoeShape, awq_tensors
 from .timers import BACKENDS, time_vllm_backend_rows, time_vllm_backends
 
-__all__ = ["BACKENDS", "MoeShape", "time_vllm_backend_rows", "time_vllm_backends"]
+__all__ = ["BACKENDS", "MarlinRunner", "MoeShape", "awq_tensors", "load_ops", "make_locks", "prepare_marlin_layer",
+           "time_vllm_backend_rows", "time_vllm_backends"]

@@ -1,0 +1,244 @@
+"""The grouped decode over vLLM's Marlin tensors: W13 split-K partials, then SiLU-and-mul, W2
+and the weighted combine, per routed row (no host sync, grids sized by R = M * k rows).
+
+The tensors are those vLLM's MARLIN MoE backend holds after its load step
+(``moe_grouped_decode.marlin_layout``: N padded to N_p, W13 columns ``[gate N_p | up N_p]``)::
+
+    w13_qweight [E, K / 16, 4 N_p]    w13_scales [E, K / G, 2 N_p]    w13_qzeros [E, K / G, 2 N_p / 8]
+    w2_qweight  [E, N_p / 16, 2 K]    w2_scales  [E, N_p / G, K]      w2_qzeros  [E, N_p / G, K / 8]
+
+Programs::
+
+    W13: program (row * SPLITS + s) * TILES + tile, TILES = the 64-column tiles of gate and up
+         that hold real columns (padding-only tiles are never read)
+         -> float32 partials[s, row, 2N] (gate then up, unpadded)
+    W2:  program (row, column tile): silu(gate) * up from the partials -> act[row] (16-bit),
+         then warp w takes 64 output columns over the N real rows -> float32 row_out[row, K]
+    combine: out[t] = sum_j topk_weights[t, j] * row_out[t * k + j]  (j order)
+
+Every sum has a fixed order (splits, warps, chunks, j), so a token's bits depend on its own
+inputs only. An id outside [0, E) reads expert 0 and its row output is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .awq_mma import CHUNK_LOOP_UNROLL, CHUNK_ROWS, UNROLLED_CHUNKS, chunk_lanes
+from .marlin_mma import (MARLIN_TILE_COLUMNS, MARLIN_TILE_WORDS, marlin_chunk_columns, marlin_chunk_rows,
+                         marlin_mma_chunk, marlin_word_offsets)
+from .pdl import launch_options, let_next_launch_start, wait_for_previous_launch
+from .w2_tl import row_activations
+
+
+@triton.jit
+def _scale_columns(g, e, SCALES_GROUPED: tl.constexpr):
+    """Where the scale of column g + 8 e of a 64-column tile is stored within the tile: vLLM's
+    grouped order (column i + 8 j at 8 i + j) or its channelwise one (in every 32 columns, column
+    8 a + 2 i + b at 8 i + 2 a + b; vLLM writes it where G >= N)."""
+    if SCALES_GROUPED:
+        return 8 * g + e
+    else:
+        return 32 * (e // 4) + 8 * (g // 2) + 2 * (e % 4) + g % 2
+
+
+@triton.jit
+def marlin_w13_kernel(
+    x_ptr, stride_xm, ids_ptr, num_experts,
+    qweight_ptr, scales_ptr, qzeros_ptr,
+    partials_ptr, rows,
+    TOP_K: tl.constexpr, K: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, G: tl.constexpr,
+    CHUNKS: tl.constexpr, WARPS: tl.constexpr, SPLITS: tl.constexpr, SCALES_GROUPED: tl.constexpr,
+    IS_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols]."""
+    let_next_launch_start(USE_PDL)
+    HALF_TILES: tl.constexpr = (N + MARLIN_TILE_COLUMNS - 1) // MARLIN_TILE_COLUMNS  # real tiles of gate (of up)
+    TILES: tl.constexpr = 2 * HALF_TILES
+    SPLIT_ROWS: tl.constexpr = WARPS * CHUNKS * CHUNK_ROWS
+    ROW_WORDS: tl.constexpr = 4 * N_P  # a 16-row tile row of W13's [K, 2 N_p]
+    pid = tl.program_id(0)
+    tile = pid % TILES
+    split = (pid // TILES) % SPLITS
+    row = pid // (TILES * SPLITS)
+    half = tile // HALF_TILES  # 0 gate, 1 up
+    padded_tile = half * (N_P // MARLIN_TILE_COLUMNS) + tile % HALF_TILES
+    expert = tl.load(ids_ptr + row)
+    valid = (expert >= 0) & (expert < num_experts)
+    expert = tl.where(valid, expert, 0).to(tl.int64)
+    token = (row // TOP_K).to(tl.int64)
+    warp, g, t, e = chunk_lanes(WARPS)
+    block, word = marlin_word_offsets(t, g, e)
+    qweight_base = qweight_ptr + expert * (K // 16 * ROW_WORDS) + padded_tile * MARLIN_TILE_WORDS + word
+    scales_base = scales_ptr + expert * (K // G * 2 * N_P) + padded_tile * MARLIN_TILE_COLUMNS + _scale_columns(g, e, SCALES_GROUPED)
+    qzeros_base = qzeros_ptr + expert * (K // G * (2 * N_P // 8)) + padded_tile * 8 + g
+    acc_lo = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
+    acc_hi = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        k0 = split * SPLIT_ROWS + (warp * CHUNKS + c) * CHUNK_ROWS
+        group = k0 // G
+        words = tl.load(qweight_base + (k0 // 16 + block) * ROW_WORDS)
+        x = tl.load(x_ptr + token * stride_xm + marlin_chunk_rows(k0, t, e), mask=g == 0, other=0.0)
+        scales = tl.load(scales_base + group * (2 * N_P))
+        zeros = tl.load(qzeros_base + group * (2 * N_P // 8))
+        d_lo, d_hi = marlin_mma_chunk(words, x, scales, zeros, IS_BF16, WARPS)
+        acc_lo += d_lo
+        acc_hi += d_hi
+    if WARPS > 1:
+        acc_lo = tl.sum(tl.reshape(acc_lo, [WARPS, 32, 8]), axis=0)
+        acc_hi = tl.sum(tl.reshape(acc_hi, [WARPS, 32, 8]), axis=0)
+    _, g, t, e = chunk_lanes(1)
+    col = (tile % HALF_TILES) * MARLIN_TILE_COLUMNS + marlin_chunk_columns(g, e)  # within gate (up)
+    keep = (t == 0) & (e % 2 == 0)  # token column 0: this row's token
+    out_base = partials_ptr + (split * rows + row) * (2 * N) + half * N
+    tl.store(out_base + col, acc_lo, mask=keep & (col < N))
+    tl.store(out_base + col + 32, acc_hi, mask=keep & (col + 32 < N))
+
+
+@triton.jit
+def _w2_chunk(qweight_base, scales_base, qzeros_base, act_ptr, row, c, g, t, e, block, K: tl.constexpr,
+              N: tl.constexpr, G: tl.constexpr):
+    k0 = c * CHUNK_ROWS
+    group = k0 // G
+    words = tl.load(qweight_base + (k0 // 16 + block) * (2 * K))
+    k_rows = marlin_chunk_rows(k0, t, e)
+    act = tl.load(act_ptr + row * N + k_rows, mask=(g == 0) & (k_rows < N), other=0.0)
+    scales = tl.load(scales_base + group * K)
+    zeros = tl.load(qzeros_base + group * (K // 8))
+    return words, act, scales, zeros
+
+
+@triton.jit
+def marlin_w2_kernel(
+    ids_ptr, num_experts, partials_ptr,
+    qweight_ptr, scales_ptr, qzeros_ptr,
+    act_ptr, row_out_ptr, rows,
+    K: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr,
+    WARPS: tl.constexpr, N_PAD: tl.constexpr, SCALES_GROUPED: tl.constexpr, IS_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32."""
+    let_next_launch_start(USE_PDL)
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    CHUNKS: tl.constexpr = N // CHUNK_ROWS
+    expert = tl.load(ids_ptr + row)
+    valid = (expert >= 0) & (expert < num_experts)
+    expert = tl.where(valid, expert, 0).to(tl.int64)
+    warp, g, t, e = chunk_lanes(WARPS)
+    col_tile = tile * WARPS + warp
+    block, word = marlin_word_offsets(t, g, e)
+    qweight_base = qweight_ptr + expert * (N_P // 16 * 2 * K) + col_tile * MARLIN_TILE_WORDS + word
+    scales_base = scales_ptr + expert * (N_P // G * K) + col_tile * MARLIN_TILE_COLUMNS + _scale_columns(g, e, SCALES_GROUPED)
+    qzeros_base = qzeros_ptr + expert * (N_P // G * (K // 8)) + col_tile * 8 + g
+    wait_for_previous_launch(USE_PDL)
+    row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
+    tl.debug_barrier()  # every thread's act stores happen before any thread reads them back
+    acc_lo = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
+    acc_hi = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
+    if CHUNKS <= UNROLLED_CHUNKS:
+        for c in tl.static_range(CHUNKS):
+            words, act, scales, zeros = _w2_chunk(qweight_base, scales_base, qzeros_base, act_ptr, row, c, g, t, e,
+                                                  block, K, N, G)
+            d_lo, d_hi = marlin_mma_chunk(words, act, scales, zeros, IS_BF16, WARPS)
+            acc_lo += d_lo
+            acc_hi += d_hi
+    else:
+        for c in tl.range(0, CHUNKS, loop_unroll_factor=CHUNK_LOOP_UNROLL):
+            words, act, scales, zeros = _w2_chunk(qweight_base, scales_base, qzeros_base, act_ptr, row, c, g, t, e,
+                                                  block, K, N, G)
+            d_lo, d_hi = marlin_mma_chunk(words, act, scales, zeros, IS_BF16, WARPS)
+            acc_lo += d_lo
+            acc_hi += d_hi
+    acc_lo = tl.where(valid, acc_lo, 0.0)
+    acc_hi = tl.where(valid, acc_hi, 0.0)
+    col = col_tile * MARLIN_TILE_COLUMNS + marlin_chunk_columns(g, e)
+    keep = (t == 0) & (e % 2 == 0)
+    tl.store(row_out_ptr + row * K + col, acc_lo, mask=keep)
+    tl.store(row_out_ptr + row * K + col + 32, acc_hi, mask=keep)
+
+
+@triton.jit
+def marlin_combine_kernel(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, out_ptr, stride_om,
+                          TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[t, cols] = sum_j topk_weights[t, j] * row_out[t * k + j, cols] in j order; an id
+    outside [0, E) adds nothing."""
+    wait_for_previous_launch(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        expert = tl.load(topk_ids_ptr + t * TOP_K + j)
+        weight = tl.load(topk_weights_ptr + t * TOP_K + j).to(tl.float32)
+        weight = tl.where((expert >= 0) & (expert < num_experts), weight, 0.0)
+        acc += weight * tl.load(row_out_ptr + (t * TOP_K + j) * K + cols, mask=col_ok, other=0.0)
+    tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@dataclass(frozen=True)
+class MarlinGroupedConfig:
+    """Launch config of the grouped decode over Marlin tensors: W13's warps and 32-row chunks per
+    warp (a K split is warps x chunks x 32 rows; it must divide K), W2's warps (64 output columns
+    each; 64 x warps must divide K)."""
+
+    w13_warps: int = 4
+    w13_chunks: int = 4
+    w2_warps: int = 2
+
+    def splits(self, hidden_size: int) -> int:
+        rows = self.w13_warps * self.w13_chunks * CHUNK_ROWS.value
+        if hidden_size % rows or hidden_size % (MARLIN_TILE_COLUMNS.value * self.w2_warps):
+            raise ValueError(f"config {self} does not tile K = {hidden_size}: a K split is {rows} rows, "
+                             f"a W2 program {MARLIN_TILE_COLUMNS.value * self.w2_warps} columns")
+        return hidden_size // rows
+
+
+COMBINE_BLOCK = 256
+
+
+def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_qweight, w13_scales,
+                          w13_qzeros, w2_qweight, w2_scales, w2_qzeros, intermediate_size: int, group_size: int,
+                          scales_grouped: bool, config: MarlinGroupedConfig = MarlinGroupedConfig(), use_pdl: bool = False,
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out [M, K] = the MoE layer of Marlin tensors (module docstring) for x [M, K] routed by
+    topk_ids / topk_weights [M, k]; ``scales_grouped``: which order vLLM wrote the scales in
+    (``MarlinMoeWeights.scales_grouped``). Scratch is allocated per call (a measurement path)."""
+    M, K = x.shape
+    top_k = topk_ids.shape[1]
+    E = w13_qweight.shape[0]
+    N, G = intermediate_size, group_size
+    N_p = w2_qweight.shape[1] * 16
+    if tuple(w13_qweight.shape) != (E, K // 16, 4 * N_p) or tuple(w2_qweight.shape) != (E, N_p // 16, 2 * K):
+        raise ValueError(f"Marlin weights of shapes {tuple(w13_qweight.shape)}, {tuple(w2_qweight.shape)} are not "
+                         f"a layer of K = {K}, N_p = {N_p}")
+    if N > N_p or N % CHUNK_ROWS.value or G % CHUNK_ROWS.value or N_p % G or K % G:
+        raise ValueError(f"N = {N}, N_p = {N_p}, G = {G}, K = {K}: needs N <= N_p, N and G multiples of 32, "
+                         f"N_p and K of G")
+    splits = config.splits(K)
+    R = M * top_k
+    dev, dtype = x.device, x.dtype
+    partials = torch.empty(splits, R, 2 * N, dtype=torch.float32, device=dev)
+    act = torch.empty(R, N, dtype=dtype, device=dev)
+    row_out = torch.empty(R, K, dtype=torch.float32, device=dev)
+    if out is None:
+        out = torch.empty(M, K, dtype=dtype, device=dev)
+    is_bf16 = dtype == torch.bfloat16
+    tiles = 2 * triton.cdiv(N, MARLIN_TILE_COLUMNS.value)
+    marlin_w13_kernel[(R * splits * tiles,)](
+        x, x.stride(0), topk_ids, E, w13_qweight, w13_scales, w13_qzeros, partials, R,
+        TOP_K=top_k, K=K, N=N, N_P=N_p, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps, SPLITS=splits,
+        SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl, num_warps=config.w13_warps)
+    marlin_w2_kernel[(R, K // (MARLIN_TILE_COLUMNS.value * config.w2_warps))](
+        topk_ids, E, partials, w2_qweight, w2_scales, w2_qzeros, act, row_out, R,
+        K=K, N=N, N_P=N_p, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=triton.next_power_of_2(N),
+        SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl, num_warps=config.w2_warps, **launch_options(use_pdl))
+    marlin_combine_kernel[(M, triton.cdiv(K, COMBINE_BLOCK))](
+        row_out, topk_weights, topk_ids, E, out, out.stride(0), TOP_K=top_k, K=K, BLOCK_K=COMBINE_BLOCK,
+        USE_PDL=use_pdl, num_warps=2, **launch_options(use_pdl))
+    return out

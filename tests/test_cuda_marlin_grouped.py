@@ -1,0 +1,64 @@
+"""The grouped decode over vLLM's Marlin tensors (kernels/marlin_grouped.py) on the GPU: its inline
+PTX (which the interpreter does not run) against the float64 reference, at full layer shapes.
+
+Runs on a CUDA GPU only (skipped elsewhere). The Marlin tensors come from marlin_layout.awq_to_marlin
+(bit-equal to vLLM's load step: tests/test_marlin_layout.py, and on the GPU
+benchmarks/marlin_grouped_check.py against vLLM's own repack). Shapes: Qwen3-30B-A3B at TP1 (N = 768),
+qwen3.8-tp4 (N = 160: padded to 192, G = 32), and an N == G layer (the channelwise scale order);
+fp16 and bf16; CUDA-graph replay gives the eager call's bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_grouped_decode.awq import synthetic_moe_weights
+from moe_grouped_decode.kernels.marlin_grouped import MarlinGroupedConfig, launch_marlin_grouped
+from moe_grouped_decode.marlin_layout import awq_to_marlin
+from moe_grouped_decode.ops import error_stats, reference_moe
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+BOUND = {torch.float16: 2e-3, torch.bfloat16: 16e-3}  # as tests/test_cuda_ops.py's
+SHAPES = {  # E, k, K, N, G
+    "qwen3-30b-tp1": (16, 8, 2048, 768, 128),  # E cut: the kernels do not depend on it
+    "qwen3.8-tp4": (32, 10, 2560, 160, 32),
+    "n-equals-g": (16, 6, 1024, 128, 128),
+}
+
+
+@pytest.fixture(scope="module", params=[(name, dtype) for name in SHAPES for dtype in (torch.float16, torch.bfloat16)],
+                ids=lambda p: f"{p[0]}-{str(p[1]).replace('torch.', '')}")
+def layer(request):
+    name, dtype = request.param
+    E, k, K, N, G = SHAPES[name]
+    awq = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=31)
+    marlin = awq_to_marlin(awq)
+    return awq, [t.cuda() for t in marlin.tensors()], marlin.scales_grouped, (E, k, K, N, G), dtype
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("config", [MarlinGroupedConfig(4, 2, 1), MarlinGroupedConfig(2, 4, 4)], ids=str)
+def test_marlin_grouped_matches_reference(layer, M, config):
+    awq, tensors, grouped, (E, k, K, N, G), dtype = layer
+    gen = torch.Generator().manual_seed(M + 100 * config.w2_warps)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
+    tw = torch.rand(M, k, generator=gen)
+    out = torch.full((M, K), float("nan"), dtype=dtype, device="cuda")
+    use_pdl = torch.cuda.get_device_capability()[0] >= 9
+    args = (x.cuda(), tw.cuda(), ids.cuda(), *tensors, N, G, grouped, config, use_pdl)
+    launch_marlin_grouped(*args, out=out)
+    stats = error_stats(out.cpu(), reference_moe(x, tw, ids, awq))
+    assert not stats.nan and stats.scaled_max_abs <= BOUND[dtype], stats
+    replayed = torch.full_like(out, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch_marlin_grouped(*args, out=replayed)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, out)
