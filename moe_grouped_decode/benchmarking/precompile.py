@@ -12,6 +12,7 @@ config).
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -50,7 +51,9 @@ def _layer(shape, dtype_name: str, max_grouped: int):
     if key not in _worker_layers:
         E, k, K, N, G = shape
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # under the interpreter the kernels run on the CPU whatever the machine has
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        device = torch.device("cuda" if torch.cuda.is_available() and not interpreted else "cpu")
         layer = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=7, device=device)
         _worker_layers[key] = (layer, alloc_workspace(max(1, max_grouped), k, K, N, device), dtype, device)
     return _worker_layers[key]
