@@ -3,8 +3,9 @@
 Launched by test_kernels_interpret.py in a subprocess (the variable must be set before triton is
 imported). Each case converts a synthetic AutoAWQ layer with marlin_layout.awq_to_marlin (bit-equal
 to vLLM's load step, tests/test_marlin_layout.py) and checks the kernels' output against the float64
-reference of the AutoAWQ layer. The cases cover: N padded to N_p (gate and up each; a tile of
-padding never read), N == G (vLLM's channelwise scale order), G = 32 / 64 / 128, a W2 past
+reference of the AutoAWQ layer. The cases cover: N padded to N_p (gate and up each: N = 96 and 160
+at G = 32, the only padding vLLM makes, since N is a multiple of G), N == G (vLLM's channelwise
+scale order; at G = 32 with padding too), G = 32 / 64 / 128, a W2 past
 awq_mma.UNROLLED_CHUNKS (its chunk loop), several warps in both kernels, an id outside [0, E),
 fp16 and bf16. Prints one line per case and exits non-zero on the first failure.
 """
@@ -35,6 +36,7 @@ CASES = [
     (4, 2, 128, 96, 32, 3, "round_robin", F16, (2, 2, 2)),  # N_p = 128: a gate and an up tile half padding
     (4, 3, 192, 160, 32, 5, "single_hot", BF16, (1, 2, 1)),  # qwen3.8's N: N_p = 192; multi-row experts
     (4, 2, 256, 128, 128, 2, "random", BF16, (2, 1, 1)),  # N == G: the channelwise scale order
+    (4, 2, 128, 32, 32, 2, "random", F16, (1, 2, 1)),  # N == G == 32: channelwise and N_p = 64
     (4, 2, 256, 256, 128, 2, "random", BF16, (1, 2, 2)),  # G = 128, grouped order, bf16
     (4, 2, 256, 192, 64, 3, "random", F16, (4, 1, 4)),  # G = 64, four warps each
     (2, 1, 128, 768, 128, 2, "invalid", F16, (1, 4, 2)),  # W2's 24 chunks loop; an id of -1

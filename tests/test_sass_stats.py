@@ -397,3 +397,36 @@ for dtype in ("fp16", "bf16"):
         regs[dtype, tiles, unrolled, stages] = int(registers)
     for dtype in ("fp16", "bf16"):
         assert regs[dtype, "1", "16", "12"] <= regs[dtype, "4", "8", "4"], regs
+
+
+MARLIN_COMPILE = """
+import sys
+sys.path.insert(0, {benchmarks!r})
+import sass_stats
+from triton.backends.compiler import GPUTarget
+from moe_grouped_decode.kernels.marlin_grouped import marlin_w13_kernel, marlin_w2_kernel
+sass_stats.TARGET = GPUTarget("cuda", {arch}, 32)
+for dtype in ("fp16", "bf16"):
+    half = "*" + dtype
+    for grouped in (True, False):
+        for warps in (1, 4):
+            shape = dict(K=2048, N=768 if grouped else 128, N_P=768 if grouped else 128, G=128, SCALES_GROUPED=grouped,
+                         IS_BF16=dtype == "bf16", USE_PDL={arch} >= 90, WARPS=warps)
+            w13 = sass_stats.compile_kernel(marlin_w13_kernel, dict(shape, TOP_K=8, CHUNKS=2, SPLITS=2048 // (64 * warps)),
+                                            dict(x_ptr=half, ids_ptr="*i32", qweight_ptr="*i32", scales_ptr=half,
+                                                 qzeros_ptr="*i32", partials_ptr="*fp32"), warps, dict(stride_xm=2048))
+            w2 = sass_stats.compile_kernel(marlin_w2_kernel, dict(shape, SPLITS=4, N_PAD=1024),
+                                           dict(ids_ptr="*i32", partials_ptr="*fp32", qweight_ptr="*i32", scales_ptr=half,
+                                                qzeros_ptr="*i32", act_ptr=half, row_out_ptr="*fp32"), warps)
+            for name, kernel in (("w13", w13), ("w2", w2)):
+                sass_stats.check_fragment_layouts(name, kernel, warps)
+                print("marlin", dtype, grouped, warps, name, "assembled")
+"""
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_marlin_kernels_assemble_with_one_row_per_lane(arch):
+    """The Marlin-reading grouped kernels' inline PTX goes through ptxas for both dtypes and scale
+    orders, and Triton lays its operands out one row per lane (what the PTX's lane mapping needs)."""
+    stdout = _python_stdout("-c", MARLIN_COMPILE.format(benchmarks=str(ROOT / "benchmarks"), arch=arch))
+    assert stdout.count("assembled") == 16, stdout

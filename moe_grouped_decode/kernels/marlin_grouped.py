@@ -65,7 +65,7 @@ def marlin_w13_kernel(
     pid = tl.program_id(0)
     tile = pid % TILES
     split = (pid // TILES) % SPLITS
-    row = pid // (TILES * SPLITS)
+    row = (pid // (TILES * SPLITS)).to(tl.int64)
     half = tile // HALF_TILES  # 0 gate, 1 up
     padded_tile = half * (N_P // MARLIN_TILE_COLUMNS) + tile % HALF_TILES
     expert = tl.load(ids_ptr + row)
@@ -220,6 +220,16 @@ def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     if N > N_p or N % CHUNK_ROWS.value or G % CHUNK_ROWS.value or N_p % G or K % G:
         raise ValueError(f"N = {N}, N_p = {N_p}, G = {G}, K = {K}: needs N <= N_p, N and G multiples of 32, "
                          f"N_p and K of G")
+    wanted = {"w13_scales": (E, K // G, 2 * N_p), "w13_qzeros": (E, K // G, 2 * N_p // 8),
+              "w2_scales": (E, N_p // G, K), "w2_qzeros": (E, N_p // G, K // 8)}
+    for name, tensor in zip(wanted, (w13_scales, w13_qzeros, w2_scales, w2_qzeros)):
+        if tuple(tensor.shape) != wanted[name]:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {wanted[name]}")
+    if w13_scales.dtype != x.dtype or w2_scales.dtype != x.dtype:
+        raise ValueError(f"the scales must be in the activations' dtype {x.dtype} (the kernels read their bits as it)")
+    tensors = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
+    if not all(t.is_contiguous() for t in tensors) or x.stride(1) != 1 or (out is not None and out.stride(1) != 1):
+        raise ValueError("the weights must be contiguous, x and out of unit column stride")
     splits = config.splits(K)
     R = M * top_k
     dev, dtype = x.device, x.dtype
