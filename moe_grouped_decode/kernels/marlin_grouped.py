@@ -33,7 +33,7 @@ from .awq_mma import CHUNK_LOOP_UNROLL, CHUNK_ROWS, UNROLLED_CHUNKS, chunk_lanes
 from .marlin_mma import (MARLIN_TILE_COLUMNS, MARLIN_TILE_WORDS, marlin_chunk_columns, marlin_chunk_rows,
                          marlin_mma_chunk, marlin_word_offsets)
 from .pdl import launch_options, let_next_launch_start, wait_for_previous_launch
-from .w2_tl import row_activations
+from .w2_tl import HELD_CHUNKS, row_activations
 
 
 @triton.jit
@@ -101,16 +101,21 @@ def marlin_w13_kernel(
 
 
 @triton.jit
-def _w2_chunk(qweight_base, scales_base, qzeros_base, act_ptr, row, c, g, t, e, block, K: tl.constexpr,
-              N: tl.constexpr, G: tl.constexpr):
+def _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K: tl.constexpr, G: tl.constexpr):
+    """Chunk c's words, scales and zero words of the lanes' tile."""
     k0 = c * CHUNK_ROWS
     group = k0 // G
-    words = tl.load(qweight_base + (k0 // 16 + block) * (2 * K))
-    k_rows = marlin_chunk_rows(k0, t, e)
+    return (tl.load(qweight_base + (k0 // 16 + block) * (2 * K)), tl.load(scales_base + group * K),
+            tl.load(qzeros_base + group * (K // 8)))
+
+
+@triton.jit
+def _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N: tl.constexpr,
+                  IS_BF16: tl.constexpr, WARPS: tl.constexpr):
+    k_rows = marlin_chunk_rows(c * CHUNK_ROWS, t, e)
     act = tl.load(act_ptr + row * N + k_rows, mask=(g == 0) & (k_rows < N), other=0.0)
-    scales = tl.load(scales_base + group * K)
-    zeros = tl.load(qzeros_base + group * (K // 8))
-    return words, act, scales, zeros
+    d_lo, d_hi = marlin_mma_chunk(words, act, scales, zeros, IS_BF16, WARPS)
+    return acc_lo + d_lo, acc_hi + d_hi
 
 
 @triton.jit
@@ -127,6 +132,9 @@ def marlin_w2_kernel(
     row = tl.program_id(0)
     tile = tl.program_id(1)
     CHUNKS: tl.constexpr = N // CHUNK_ROWS
+    # the first HELD chunks' weights are loaded before the wait for W13 (they stream in while it
+    # finishes), the rest in the chunk loop after it
+    HELD: tl.constexpr = min(CHUNKS, HELD_CHUNKS)
     expert = tl.load(ids_ptr + row)
     valid = (expert >= 0) & (expert < num_experts)
     expert = tl.where(valid, expert, 0).to(tl.int64)
@@ -136,25 +144,28 @@ def marlin_w2_kernel(
     qweight_base = qweight_ptr + expert * (N_P // 16 * 2 * K) + col_tile * MARLIN_TILE_WORDS + word
     scales_base = scales_ptr + expert * (N_P // G * K) + col_tile * MARLIN_TILE_COLUMNS + _scale_columns(g, e, SCALES_GROUPED)
     qzeros_base = qzeros_ptr + expert * (N_P // G * (K // 8)) + col_tile * 8 + g
+    held = ()
+    for c in tl.static_range(HELD):
+        held += (_w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K, G),)
     wait_for_previous_launch(USE_PDL)
     row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
     tl.debug_barrier()  # every thread's act stores happen before any thread reads them back
     acc_lo = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
     acc_hi = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
-    if CHUNKS <= UNROLLED_CHUNKS:
-        for c in tl.static_range(CHUNKS):
-            words, act, scales, zeros = _w2_chunk(qweight_base, scales_base, qzeros_base, act_ptr, row, c, g, t, e,
-                                                  block, K, N, G)
-            d_lo, d_hi = marlin_mma_chunk(words, act, scales, zeros, IS_BF16, WARPS)
-            acc_lo += d_lo
-            acc_hi += d_hi
+    for c in tl.static_range(HELD):
+        words, scales, zeros = held[c]
+        acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N, IS_BF16,
+                                       WARPS)
+    if CHUNKS - HELD <= UNROLLED_CHUNKS:
+        for c in tl.static_range(HELD, CHUNKS):
+            words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K, G)
+            acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
+                                           IS_BF16, WARPS)
     else:
-        for c in tl.range(0, CHUNKS, loop_unroll_factor=CHUNK_LOOP_UNROLL):
-            words, act, scales, zeros = _w2_chunk(qweight_base, scales_base, qzeros_base, act_ptr, row, c, g, t, e,
-                                                  block, K, N, G)
-            d_lo, d_hi = marlin_mma_chunk(words, act, scales, zeros, IS_BF16, WARPS)
-            acc_lo += d_lo
-            acc_hi += d_hi
+        for c in tl.range(HELD, CHUNKS, loop_unroll_factor=CHUNK_LOOP_UNROLL):
+            words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K, G)
+            acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
+                                           IS_BF16, WARPS)
     acc_lo = tl.where(valid, acc_lo, 0.0)
     acc_hi = tl.where(valid, acc_hi, 0.0)
     col = col_tile * MARLIN_TILE_COLUMNS + marlin_chunk_columns(g, e)
