@@ -55,12 +55,12 @@ def routing(M: int, k: int, E: int, gen: torch.Generator):
     return ids, (tw / tw.sum(1, keepdim=True)).float()
 
 
-def run_shape(name: str, spec: str, tokens, configs, dtype) -> dict:
+def run_shape(name: str, spec: str, tokens, configs, dtype, max_layers: int = 64) -> dict:
     E, k, K, N, G = (int(v) for v in spec.split(","))
     dev = torch.device("cuda")
     shape = MoeShape(E, k, K, N, G)
     per_expert = (3 * K * N) // 2
-    count = max(2, min(64, math.ceil(COLD_BYTES / (k * per_expert))))
+    count = max(2, min(max_layers, math.ceil(COLD_BYTES / (k * per_expert))))
     print(f"[{name}] {count} layers of E={E} k={k} K={K} N={N} G={G}", flush=True)
     awq_layers = [synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=1000 + i, device=dev) for i in range(count)]
     t0 = time.time()
@@ -153,6 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="1,2,4,8,16")
     parser.add_argument("--configs", default=CONFIGS, help="w13 warps x w13 chunks x w2 warps, comma separated")
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    parser.add_argument("--max-layers", type=int, default=64,
+                        help="rotate at most this many layers (fewer: faster, L2 warmer if under its size)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("marlin_grouped_check: needs a CUDA GPU", file=sys.stderr)
@@ -165,7 +167,7 @@ def main(argv=None) -> int:
     results = []
     for item in args.shapes:
         name, spec = (item, SHAPES[item]) if item in SHAPES else (item, item)
-        results.append(run_shape(name, spec, tokens, configs, dtype))
+        results.append(run_shape(name, spec, tokens, configs, dtype, args.max_layers))
         (out / "marlin_grouped.json").write_text(json.dumps(results, indent=1, default=str))
     device = torch.cuda.get_device_name()
     (out / "marlin_grouped.md").write_text(markdown(results, device, args.dtype))
