@@ -16,6 +16,9 @@ what the plans and tables need to know of a device (``DeviceFacts``), asked once
     overflow.py      the combine launches' float64 recompute of a token whose sums overflowed
     awq_mma.py       AutoAWQ nibbles dequantized into mma.sync fragments (inline PTX; interpreter emulation)
     awq_tiles.py     AutoAWQ's column order; silu_mul
+    marlin_grouped.py the grouped decode over vLLM's Marlin tensors (one weight copy with vLLM's
+                     MARLIN backend; not yet wired into the ops)
+    marlin_mma.py    Marlin words as mma.sync fragments (inline PTX; interpreter emulation)
     gluon_helpers.py what the Gluon kernels share (availability, clock, PDL)
     pdl.py           programmatic dependent launch for the tl kernels
     carveout.py      the shared-memory carveout preference of a compiled kernel

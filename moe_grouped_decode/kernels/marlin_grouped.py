@@ -9,8 +9,9 @@ The tensors are those vLLM's MARLIN MoE backend holds after its load step
 
 Programs::
 
-    W13: program (row * SPLITS + s) * TILES + tile, TILES = the 64-column tiles of gate and up
-         that hold real columns (padding-only tiles are never read)
+    W13: program (row * SPLITS + s) * TILES + tile, TILES = ceil(N / 64) tiles of gate and as
+         many of up (a tile of padding only is never read; the padded columns of the last tile
+         are computed and not stored)
          -> float32 partials[s, row, 2N] (gate then up, unpadded)
     W2:  program (row, column tile): silu(gate) * up from the partials -> act[row] (16-bit),
          then warp w takes 64 output columns over the N real rows -> float32 row_out[row, K]

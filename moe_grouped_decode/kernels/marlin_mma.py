@@ -13,7 +13,8 @@ that lane's A fragment of subtile w (the weights as the A operand, tokens in B's
     a2 = rows (2t + 8, 2t + 9) of column 16 w + g       nibbles 1, 5  (mask HI, shift 0)
     a3 = rows (2t + 8, 2t + 9) of column 16 w + g + 8   nibbles 3, 7  (mask HI, shift 8)
 
-so one LOP3 per register gives (magic + q) pairs, with no PRMT. One warp, one 32-row chunk
+so one LOP3 per register gives (magic + q) pairs, with no PRMT (fp16: magic 1024 for the LO
+mask, 64 for the HI one; bf16: magic 128, every nibble shifted to bits 0-3, by 0, 8, 4 and 12). One warp, one 32-row chunk
 (two 16-row blocks b, inside one group), one tile of 64 columns::
 
     words[lane, 4 b + w]   Marlin word of lane (g, t), block b, subtile w (a 16-byte load per b)
@@ -42,7 +43,9 @@ def _marlin_chunk_asm(bf16: bool) -> str:
     copies of the zero word."""
     kind = "bf16" if bf16 else "f16"
     words, x, scales, zero = 16, 24, 28, 32
-    lines = ["{", ".reg .b32 zp<2>, zs, zl<8>, zh<8>, s<8>, ws<4>, a<4>;", ".reg .f32 d<16>;", ".reg .b16 h<8>;"]
+    lines = ["{", ".reg .b32 zp<2>, zs, zl<8>, s<8>, ws<4>, a<4>;", ".reg .f32 d<16>;"]
+    if not bf16:
+        lines += [".reg .b32 zh<8>;", ".reg .b16 h<8>;"]
     if bf16:  # add.bf16x2 needs sm_90: a * 1 + z instead
         lines += [".reg .b32 one;", "mov.b32 one, 0x3F803F80;"]
     # zero splats: PRMT 0x1010 repeats bytes 0-1 (nibbles 0-3: subtiles 0-3, column g),
