@@ -3,7 +3,8 @@
 TRITON_INTERPRET must be set before triton is imported, and this pytest process
 may already have imported it, so the checks run in a fresh interpreter:
 interpret_kernels_check.py beside this file, and interpret_shapes_check.py (the edges of the
-shapes the product serves: the kernels' chunk loops over a large N or K).
+shapes the product serves: the kernels' chunk loops over a large N or K), and interpret_marlin_check.py
+(the grouped decode over vLLM's Marlin tensors).
 """
 
 import os
