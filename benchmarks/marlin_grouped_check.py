@@ -40,13 +40,15 @@ SHAPES = {
     "qwen3-235b-tp4": "128,8,4096,384,128",
     "qwen3.8-tp4": "512,10,2560,160,32",
 }
-CONFIGS = "4x2x1,4x4x1,4x2x2,8x2x2,2x4x2,4x4x4"  # w13 warps x w13 chunks x w2 warps
+# w13 warps x w13 chunks x w2 warps; a trailing "s": the combine as a launch of its own (else fused into W2)
+CONFIGS = "4x2x1,4x4x1,4x2x2,8x2x2,2x4x2,4x4x4,4x2x1s"
 COLD_BYTES = 256e6  # one token's experts over the rotated layers: L2 cold
 
 
 def parse_config(text: str) -> MarlinGroupedConfig:
-    w13_warps, w13_chunks, w2_warps = (int(v) for v in text.split("x"))
-    return MarlinGroupedConfig(w13_warps, w13_chunks, w2_warps)
+    separate = text.endswith("s")
+    w13_warps, w13_chunks, w2_warps = (int(v) for v in text.rstrip("s").split("x"))
+    return MarlinGroupedConfig(w13_warps, w13_chunks, w2_warps, fused_combine=not separate)
 
 
 def routing(M: int, k: int, E: int, gen: torch.Generator):
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), help="names of SHAPES or E,k,K,N,G")
     parser.add_argument("--tokens", default="1,2,4,8,16")
-    parser.add_argument("--configs", default=CONFIGS, help="w13 warps x w13 chunks x w2 warps, comma separated")
+    parser.add_argument("--configs", default=CONFIGS, help="w13 warps x w13 chunks x w2 warps[s], comma separated (s: the combine unfused)")
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
     parser.add_argument("--max-layers", type=int, default=64,
                         help="rotate at most this many layers (fewer: faster, L2 warmer if under its size)")

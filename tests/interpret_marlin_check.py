@@ -7,7 +7,7 @@ reference of the AutoAWQ layer. The cases cover: N padded to N_p (gate and up ea
 at G = 32, the only padding vLLM makes, since N is a multiple of G), N == G (vLLM's channelwise
 scale order; at G = 32 with padding too), G = 32 / 64 / 128, a W2 past
 awq_mma.UNROLLED_CHUNKS (its chunk loop), several warps in both kernels, an id outside [0, E),
-fp16 and bf16. Prints one line per case and exits non-zero on the first failure.
+fp16 and bf16, the combine fused into W2 and as its own launch. Prints one line per case and exits non-zero on the first failure.
 """
 
 import os
@@ -31,7 +31,7 @@ from moe_grouped_decode.ops.reference import reference_moe  # noqa: E402
 
 F16, BF16 = torch.float16, torch.bfloat16
 CASES = [
-    # (E, k, K, N, G, M, pattern, dtype, (w13 warps, w13 chunks, w2 warps)): why
+    # (E, k, K, N, G, M, pattern, dtype, MarlinGroupedConfig fields): why
     (4, 2, 128, 64, 32, 2, "random", F16, (1, 1, 1)),  # no padding, one warp everywhere
     (4, 2, 128, 96, 32, 3, "round_robin", F16, (2, 2, 2)),  # N_p = 128: a gate and an up tile half padding
     (4, 3, 192, 160, 32, 5, "single_hot", BF16, (1, 2, 1)),  # qwen3.8's N: N_p = 192; multi-row experts
@@ -40,6 +40,9 @@ CASES = [
     (4, 2, 256, 256, 128, 2, "random", BF16, (1, 2, 2)),  # G = 128, grouped order, bf16
     (4, 2, 256, 192, 64, 3, "random", F16, (4, 1, 4)),  # G = 64, four warps each
     (2, 1, 128, 768, 128, 2, "invalid", F16, (1, 4, 2)),  # W2's 24 chunks loop; an id of -1
+    # the combine as a launch of its own (the rest fuse it into W2)
+    (4, 3, 192, 160, 32, 5, "single_hot", F16, (1, 2, 1, False)),
+    (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False)),
 ]
 
 

@@ -42,7 +42,8 @@ def layer(request):
 
 
 @pytest.mark.parametrize("M", [1, 3, 8])
-@pytest.mark.parametrize("config", [MarlinGroupedConfig(4, 2, 1), MarlinGroupedConfig(2, 4, 4)], ids=str)
+@pytest.mark.parametrize("config", [MarlinGroupedConfig(4, 2, 1), MarlinGroupedConfig(2, 4, 4),
+                                    MarlinGroupedConfig(4, 2, 2, fused_combine=False)], ids=str)
 def test_marlin_grouped_matches_reference(layer, M, config):
     awq, tensors, grouped, (E, k, K, N, G), dtype = layer
     gen = torch.Generator().manual_seed(M + 100 * config.w2_warps)

@@ -412,12 +412,15 @@ for dtype in ("fp16", "bf16"):
         for warps in (1, 4):
             shape = dict(K=2048, N=768 if grouped else 128, N_P=768 if grouped else 128, G=128, SCALES_GROUPED=grouped,
                          IS_BF16=dtype == "bf16", USE_PDL={arch} >= 90, WARPS=warps)
-            w13 = sass_stats.compile_kernel(marlin_w13_kernel, dict(shape, TOP_K=8, CHUNKS=2, SPLITS=2048 // (64 * warps)),
+            w13 = sass_stats.compile_kernel(marlin_w13_kernel, dict(shape, TOP_K=8, CHUNKS=2, SPLITS=2048 // (64 * warps),
+                                                                    ARRIVALS_PAD=64),
                                             dict(x_ptr=half, ids_ptr="*i32", qweight_ptr="*i32", scales_ptr=half,
-                                                 qzeros_ptr="*i32", partials_ptr="*fp32"), warps, dict(stride_xm=2048))
-            w2 = sass_stats.compile_kernel(marlin_w2_kernel, dict(shape, SPLITS=4, N_PAD=1024),
+                                                 qzeros_ptr="*i32", partials_ptr="*fp32", arrivals_ptr="*i32"), warps,
+                                            dict(stride_xm=2048))
+            w2 = sass_stats.compile_kernel(marlin_w2_kernel, dict(shape, SPLITS=4, N_PAD=1024, TOP_K=8, FUSED_COMBINE=True),
                                            dict(ids_ptr="*i32", partials_ptr="*fp32", qweight_ptr="*i32", scales_ptr=half,
-                                                qzeros_ptr="*i32", act_ptr=half, row_out_ptr="*fp32"), warps)
+                                                qzeros_ptr="*i32", act_ptr=half, row_out_ptr="*fp32", out_ptr=half,
+                                                topk_weights_ptr="*fp32", arrivals_ptr="*i32"), warps, dict(stride_om=2048))
             for name, kernel in (("w13", w13), ("w2", w2)):
                 sass_stats.check_fragment_layouts(name, kernel, warps)
                 print("marlin", dtype, grouped, warps, name, "assembled")

@@ -9,13 +9,17 @@ The tensors are those vLLM's MARLIN MoE backend holds after its load step
 
 Programs::
 
-    W13: program (row * SPLITS + s) * TILES + tile, TILES = ceil(N / 64) tiles of gate and as
+    W13: program 0 zeroes the fused combine's arrival counters (with FUSED_COMBINE);
+         program 1 + (row * SPLITS + s) * TILES + tile, TILES = ceil(N / 64) tiles of gate and as
          many of up (a tile of padding only is never read; the padded columns of the last tile
          are computed and not stored)
          -> float32 partials[s, row, 2N] (gate then up, unpadded)
     W2:  program (row, column tile): silu(gate) * up from the partials -> act[row] (16-bit),
-         then warp w takes 64 output columns over the N real rows -> float32 row_out[row, K]
-    combine: out[t] = sum_j topk_weights[t, j] * row_out[t * k + j]  (j order)
+         then warp w takes 64 output columns over the N real rows -> float32 row_out[row, K];
+         FUSED_COMBINE: the last of a token's k programs on the tile (an int32 arrival counter per
+         (token, tile)) writes the token's combined columns
+    combine (a launch of its own without FUSED_COMBINE):
+         out[t] = sum_j topk_weights[t, j] * row_out[t * k + j]  (j order)
 
 Every sum has a fixed order (splits, warps, chunks, j), so a token's bits depend on its own
 inputs only. An id outside [0, E) reads expert 0 and its row output is 0.
@@ -31,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .awq_mma import CHUNK_LOOP_UNROLL, CHUNK_ROWS, UNROLLED_CHUNKS, chunk_lanes
+from .combine import combine_sums
 from .marlin_mma import (MARLIN_TILE_COLUMNS, MARLIN_TILE_WORDS, marlin_chunk_columns, marlin_chunk_rows,
                          marlin_mma_chunk, marlin_word_offsets)
 from .pdl import launch_options, let_next_launch_start, wait_for_previous_launch
@@ -52,10 +57,10 @@ def _scale_columns(g, e, SCALES_GROUPED: tl.constexpr):
 def marlin_w13_kernel(
     x_ptr, stride_xm, ids_ptr, num_experts,
     qweight_ptr, scales_ptr, qzeros_ptr,
-    partials_ptr, rows,
+    partials_ptr, rows, arrivals_ptr, num_arrivals,
     TOP_K: tl.constexpr, K: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, G: tl.constexpr,
     CHUNKS: tl.constexpr, WARPS: tl.constexpr, SPLITS: tl.constexpr, SCALES_GROUPED: tl.constexpr,
-    IS_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+    IS_BF16: tl.constexpr, USE_PDL: tl.constexpr, ARRIVALS_PAD: tl.constexpr = 0,
 ):
     """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols]."""
     let_next_launch_start(USE_PDL)
@@ -64,6 +69,12 @@ def marlin_w13_kernel(
     SPLIT_ROWS: tl.constexpr = WARPS * CHUNKS * CHUNK_ROWS
     ROW_WORDS: tl.constexpr = 4 * N_P  # a 16-row tile row of W13's [K, 2 N_p]
     pid = tl.program_id(0)
+    if ARRIVALS_PAD > 0:
+        if pid == 0:
+            a = tl.arange(0, ARRIVALS_PAD)
+            tl.store(arrivals_ptr + a, tl.zeros([ARRIVALS_PAD], dtype=tl.int32), mask=a < num_arrivals)
+            return
+        pid -= 1
     tile = pid % TILES
     split = (pid // TILES) % SPLITS
     row = (pid // (TILES * SPLITS)).to(tl.int64)
@@ -124,12 +135,14 @@ def marlin_w2_kernel(
     ids_ptr, num_experts, partials_ptr,
     qweight_ptr, scales_ptr, qzeros_ptr,
     act_ptr, row_out_ptr, rows,
+    topk_weights_ptr, out_ptr, stride_om, arrivals_ptr,
     K: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr,
     WARPS: tl.constexpr, N_PAD: tl.constexpr, SCALES_GROUPED: tl.constexpr, IS_BF16: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, TOP_K: tl.constexpr = 1, FUSED_COMBINE: tl.constexpr = False,
 ):
     """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32."""
-    let_next_launch_start(USE_PDL)
+    # with the combine fused, W2 is the op's last launch: what follows must not start before it ends
+    let_next_launch_start(USE_PDL and not FUSED_COMBINE)
     row = tl.program_id(0)
     tile = tl.program_id(1)
     CHUNKS: tl.constexpr = N // CHUNK_ROWS
@@ -173,6 +186,15 @@ def marlin_w2_kernel(
     keep = (t == 0) & (e % 2 == 0)
     tl.store(row_out_ptr + row * K + col, acc_lo, mask=keep)
     tl.store(row_out_ptr + row * K + col + 32, acc_hi, mask=keep)
+    if FUSED_COMBINE:
+        token = row // TOP_K
+        tl.debug_barrier()  # every thread's row_out stores happen before the release below
+        arrived = tl.atomic_add(arrivals_ptr + token * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == TOP_K - 1:
+            cols = tile * (WARPS * MARLIN_TILE_COLUMNS) + tl.arange(0, WARPS * MARLIN_TILE_COLUMNS)
+            col_ok = cols < K
+            acc = combine_sums(row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, token, cols, col_ok, TOP_K, K)
+            tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -202,6 +224,7 @@ class MarlinGroupedConfig:
     w13_warps: int = 4
     w13_chunks: int = 4
     w2_warps: int = 2
+    fused_combine: bool = True  # the last of a token's W2 programs on a tile combines it (one launch fewer)
 
     def splits(self, hidden_size: int) -> int:
         rows = self.w13_warps * self.w13_chunks * CHUNK_ROWS.value
@@ -252,15 +275,22 @@ def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         out = torch.empty(M, K, dtype=dtype, device=dev)
     is_bf16 = dtype == torch.bfloat16
     tiles = 2 * triton.cdiv(N, MARLIN_TILE_COLUMNS.value)
-    marlin_w13_kernel[(R * splits * tiles,)](
-        x, x.stride(0), topk_ids, E, w13_qweight, w13_scales, w13_qzeros, partials, R,
+    w2_tiles = K // (MARLIN_TILE_COLUMNS.value * config.w2_warps)
+    fused = config.fused_combine
+    arrivals = torch.empty(M * w2_tiles if fused else 1, dtype=torch.int32, device=dev)
+    marlin_w13_kernel[(int(fused) + R * splits * tiles,)](
+        x, x.stride(0), topk_ids, E, w13_qweight, w13_scales, w13_qzeros, partials, R, arrivals, arrivals.numel(),
         TOP_K=top_k, K=K, N=N, N_P=N_p, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps, SPLITS=splits,
-        SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl, num_warps=config.w13_warps)
-    marlin_w2_kernel[(R, K // (MARLIN_TILE_COLUMNS.value * config.w2_warps))](
+        SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl,
+        ARRIVALS_PAD=triton.next_power_of_2(arrivals.numel()) if fused else 0, num_warps=config.w13_warps)
+    marlin_w2_kernel[(R, w2_tiles)](
         topk_ids, E, partials, w2_qweight, w2_scales, w2_qzeros, act, row_out, R,
+        topk_weights, out, out.stride(0), arrivals,
         K=K, N=N, N_P=N_p, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=triton.next_power_of_2(N),
-        SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl, num_warps=config.w2_warps, **launch_options(use_pdl))
-    marlin_combine_kernel[(M, triton.cdiv(K, COMBINE_BLOCK))](
-        row_out, topk_weights, topk_ids, E, out, out.stride(0), TOP_K=top_k, K=K, BLOCK_K=COMBINE_BLOCK,
-        USE_PDL=use_pdl, num_warps=2, **launch_options(use_pdl))
+        SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl, TOP_K=top_k, FUSED_COMBINE=fused,
+        num_warps=config.w2_warps, **launch_options(use_pdl))
+    if not fused:
+        marlin_combine_kernel[(M, triton.cdiv(K, COMBINE_BLOCK))](
+            row_out, topk_weights, topk_ids, E, out, out.stride(0), TOP_K=top_k, K=K, BLOCK_K=COMBINE_BLOCK,
+            USE_PDL=use_pdl, num_warps=2, **launch_options(use_pdl))
     return out
