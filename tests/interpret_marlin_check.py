@@ -40,6 +40,7 @@ CASES = [
     (4, 2, 256, 256, 128, 2, "random", BF16, (1, 2, 2)),  # G = 128, grouped order, bf16
     (4, 2, 256, 192, 64, 3, "random", F16, (4, 1, 4)),  # G = 64, four warps each
     (2, 1, 128, 768, 128, 2, "invalid", F16, (1, 4, 2)),  # W2's 24 chunks loop; an id of -1
+    (4, 2, 128, 64, 32, 3, "invalid", F16, (1, 1, 1)),  # the fused combine over a slot of id -1
     # the combine as a launch of its own (the rest fuse it into W2)
     (4, 3, 192, 160, 32, 5, "single_hot", F16, (1, 2, 1, False)),
     (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False)),
@@ -65,6 +66,15 @@ def main() -> None:
         name = (f"marlin grouped E={E} k={k} K={K} N={N} (N_p={marlin.padded_intermediate_size}) G={G} M={M} "
                 f"{pattern} {dtype} scales_grouped={marlin.scales_grouped} config={config}")
         check(name, out, reference_moe(x, tw, ids, awq), dtype)
+    # no tokens: an empty output, nothing launched (the fused combine's W13 has an extra program)
+    awq = synthetic_moe_weights(4, 128, 64, 32, seed=1)
+    marlin = awq_to_marlin(awq)
+    empty = launch_marlin_grouped(torch.zeros(0, 128, dtype=F16), torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int32),
+                                  *marlin.tensors(), 64, 32, marlin.scales_grouped, MarlinGroupedConfig(1, 1, 1))
+    if empty.shape != (0, 128):
+        print(f"FAIL M = 0 gives {tuple(empty.shape)}", flush=True)
+        sys.exit(1)
+    print("ok   M = 0: an empty [0, K] output", flush=True)
     print("all interpreter marlin checks passed", flush=True)
 
 

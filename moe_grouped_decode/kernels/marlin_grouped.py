@@ -9,7 +9,7 @@ The tensors are those vLLM's MARLIN MoE backend holds after its load step
 
 Programs::
 
-    W13: program 0 zeroes the fused combine's arrival counters (with FUSED_COMBINE);
+    W13: program 0 zeroes the fused combine's arrival counters (ARRIVALS_PAD > 0: W2 fuses it);
          program 1 + (row * SPLITS + s) * TILES + tile, TILES = ceil(N / 64) tiles of gate and as
          many of up (a tile of padding only is never read; the padded columns of the last tile
          are computed and not stored)
@@ -273,6 +273,8 @@ def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     row_out = torch.empty(R, K, dtype=torch.float32, device=dev)
     if out is None:
         out = torch.empty(M, K, dtype=dtype, device=dev)
+    if M == 0:
+        return out
     is_bf16 = dtype == torch.bfloat16
     tiles = 2 * triton.cdiv(N, MARLIN_TILE_COLUMNS.value)
     w2_tiles = K // (MARLIN_TILE_COLUMNS.value * config.w2_warps)
