@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from moe_grouped_decode.awq import synthetic_moe_weights
+from moe_grouped_decode.benchmarking.bench import random_layer_inputs
 from moe_grouped_decode.benchmarking.replay import graph_replay_us
 from moe_grouped_decode.benchmarking.vllm_moe import (MarlinRunner, MoeShape, awq_tensors, load_ops, make_locks,
                                                       prepare_marlin_layer)
@@ -49,12 +50,6 @@ def parse_config(text: str) -> MarlinGroupedConfig:
     separate = text.endswith("s")
     w13_warps, w13_chunks, w2_warps = (int(v) for v in text.rstrip("s").split("x"))
     return MarlinGroupedConfig(w13_warps, w13_chunks, w2_warps, fused_combine=not separate)
-
-
-def routing(M: int, k: int, E: int, gen: torch.Generator):
-    ids = torch.rand(M, E, generator=gen).topk(k, dim=1).indices.to(torch.int32)
-    tw = torch.rand(M, k, generator=gen)
-    return ids, (tw / tw.sum(1, keepdim=True)).float()
 
 
 def run_shape(name: str, spec: str, tokens, configs, dtype, max_layers: int = 64) -> dict:
@@ -84,9 +79,8 @@ def run_shape(name: str, spec: str, tokens, configs, dtype, max_layers: int = 64
         return (m.w13, m.w13_scales, m.w13_zeros, m.w2, m.w2_scales, m.w2_zeros, N, G, grouped)
 
     for M in tokens:
-        plans = [routing(M, k, E, gen) for _ in range(count)]
-        xs = [torch.randn(M, K, generator=gen).to(dtype).to(dev) for _ in range(count)]
-        plans = [(ids.to(dev), tw.to(dev)) for ids, tw in plans]
+        ids, tws, xs = random_layer_inputs(M, k, E, K, count, dtype, dev, gen)
+        plans = list(zip(ids, tws))
         row = {"M": M}
         ref = reference_moe(xs[0].cpu(), plans[0][1].cpu(), plans[0][0].cpu(), awq_layers[0].to("cpu"))
         runner = MarlinRunner(shape, M, dtype, ops, locks)

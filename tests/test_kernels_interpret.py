@@ -15,31 +15,22 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def test_kernels_match_reference_under_interpreter():
+def _run_interpreted(script: str, passed: str, timeout: int) -> None:
+    """Run ``script`` beside this file under the interpreter; it must exit 0 and print ``passed``."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
-    result = subprocess.run(
-        [sys.executable, str(HERE / "interpret_kernels_check.py")],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
+    result = subprocess.run([sys.executable, str(HERE / script)], env=env, capture_output=True, text=True,
+                            timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "all interpreter checks passed" in result.stdout
+    assert passed in result.stdout
+
+
+def test_kernels_match_reference_under_interpreter():
+    _run_interpreted("interpret_kernels_check.py", "all interpreter checks passed", 600)
 
 
 def test_kernels_match_reference_at_shape_edges_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
-    result = subprocess.run(
-        [sys.executable, str(HERE / "interpret_shapes_check.py")],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "all interpreter shape checks passed" in result.stdout
+    _run_interpreted("interpret_shapes_check.py", "all interpreter shape checks passed", 900)
 
 
 def test_marlin_grouped_kernels_match_reference_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
-    result = subprocess.run(
-        [sys.executable, str(HERE / "interpret_marlin_check.py")],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "all interpreter marlin checks passed" in result.stdout
+    _run_interpreted("interpret_marlin_check.py", "all interpreter marlin checks passed", 600)

@@ -206,12 +206,7 @@ def marlin_combine_kernel(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_exper
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < K
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        expert = tl.load(topk_ids_ptr + t * TOP_K + j)
-        weight = tl.load(topk_weights_ptr + t * TOP_K + j).to(tl.float32)
-        weight = tl.where((expert >= 0) & (expert < num_experts), weight, 0.0)
-        acc += weight * tl.load(row_out_ptr + (t * TOP_K + j) * K + cols, mask=col_ok, other=0.0)
+    acc = combine_sums(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, t, cols, col_ok, TOP_K, K)
     tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
