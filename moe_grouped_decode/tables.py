@@ -8,11 +8,17 @@ A table holds what ``python -m moe_grouped_decode tune`` measured for one MoE la
   timed side by side in one process on the same weights and inputs, and the grouped window
   (the token counts the grouped route serves);
 * the two **launch tables**: the grouped op's config per (kernel family, M) and the prefill
-  route's config per M (an entry serves every M up to its own, the last every M above).
+  route's config per M (an entry serves every M up to its own, the last every M above);
+* optionally, the **co-serving table** (:class:`CoserveTable`): at the first few M, the plugin's
+  grouped decode over vLLM's own Marlin tensors (``kernels/marlin_grouped.py``) beside vLLM's
+  backends, timed side by side in one process of its own, with its launch table.
 
 Its **verdict** (:func:`verdict`) admits the shape on that GPU only where the plugin is faster
-than every vLLM backend at every measured M from 1 up to the engine's largest step; a layer is
-served whole or not at all (there is no second weight copy). The shipped tables live in
+than every vLLM backend at every measured M from 1 up to the engine's largest step; the layer
+is then served whole by the plugin from AutoAWQ's tensors. Where it is not, the **co-serving
+verdict** (:func:`coserve_verdict`) may still give the plugin the few-token steps: vLLM
+repacks the weights for its Marlin backend as usual (one copy) and runs every step except those
+of the window, where the plugin's kernel reads the same tensors faster. The shipped tables live in
 ``moe_grouped_decode/tables/``; ``tune`` writes a user's to a cache directory keyed by GPU,
 shape, dtype and the torch / Triton / vLLM versions, which startup reads before the shipped
 ones. Pure data: no torch, no vLLM.
@@ -64,6 +70,23 @@ class RouteTable:
 
 
 @dataclass(frozen=True)
+class CoserveTable:
+    """Per measured M (ascending, from 1): the co-served kernel's time and vLLM's backends', timed
+    side by side in one process, and the kernel's launch table ({"M", "config": MarlinGroupedConfig
+    fields}; an entry serves every M up to its own, the last every M above)."""
+
+    tokens: Tuple[int, ...]
+    coserved_us: Tuple[float, ...]
+    vllm_us: Dict[str, Tuple[Optional[float], ...]]
+    launch: Tuple[dict, ...] = ()
+    generator: str = ""  # the command that measured it (a table's co-serving may be measured on its own)
+
+    def vllm_best_us(self, i: int) -> Optional[float]:
+        times = [us[i] for us in self.vllm_us.values() if us[i] is not None]
+        return min(times) if times else None
+
+
+@dataclass(frozen=True)
 class MeasuredTable:
     gpu: str  # the GPU model's name as NVML gives it (torch.cuda.get_device_name)
     shape: Shape
@@ -74,6 +97,7 @@ class MeasuredTable:
     routes: RouteTable
     grouped: Tuple[dict, ...] = ()  # {"kernels": "gluon"/"tl", "M": int, "config": GroupedConfig fields}
     prefill: Tuple[dict, ...] = ()  # {"M": int, "config": PrefillConfig fields}
+    coserve: Optional[CoserveTable] = None
     path: Optional[Path] = field(default=None, compare=False)
 
     @property
@@ -117,6 +141,54 @@ def verdict(table: MeasuredTable, max_tokens: int = LARGEST_STEP) -> Verdict:
                          f"(at least {closest[1]:.2f}x, at M={closest[0]}; {where})", closest)
 
 
+@dataclass(frozen=True)
+class CoserveVerdict:
+    window: Optional[Tuple[int, int]]  # (1, hi): the token counts the plugin's kernel serves; None: none
+    reason: str
+
+
+def coserve_verdict(table: MeasuredTable, vllm_backend: Optional[str], max_tokens: int = LARGEST_STEP) -> CoserveVerdict:
+    """Whether a layer that :func:`verdict` leaves to vLLM can be co-served, and in which window.
+
+    Co-serving forces vLLM's Marlin backend for the layer (its tensors are what the plugin's
+    kernel reads), so it needs: in the co-serving table, the kernel faster than every backend of
+    VLLM_BACKENDS at every measured M from 1 to the window's end (the window ends before the first
+    M where it is not, so an unmeasured M past it stays with Marlin); and, where vLLM would pick
+    another backend itself (``vllm_backend`` as its selection names it, "MARLIN" or "HUMMING"),
+    Marlin no slower than that one in the route table at every measured M past the window up to
+    the first at or above ``max_tokens``."""
+    c = table.coserve
+    where = f"{table.gpu}, {'x'.join(map(str, table.shape))} {table.dtype}"
+    stock = (vllm_backend or "").lower()
+    if stock not in VLLM_BACKENDS:
+        return CoserveVerdict(None, f"vLLM's own backend here is {vllm_backend}, not one co-serving is measured against")
+    if c is None or not c.tokens or c.tokens[0] != 1:
+        return CoserveVerdict(None, f"co-serving not measured ({where})")
+    hi, least = None, None
+    for i, m in enumerate(c.tokens):
+        times = [c.vllm_us.get(b, (None,) * len(c.tokens))[i] for b in VLLM_BACKENDS]
+        if any(us is None for us in times) or c.coserved_us[i] >= min(times):
+            break
+        ratio = min(times) / c.coserved_us[i]
+        hi, least = m, ratio if least is None else min(least, ratio)
+    if hi is None:
+        return CoserveVerdict(None, f"the co-served kernel is not faster than vLLM at 1 token ({where})")
+    if stock != "marlin":
+        r = table.routes
+        reach = next((i for i, m in enumerate(r.tokens) if m >= max_tokens), None)
+        marlin, own = r.vllm_us.get("marlin"), r.vllm_us.get(stock)
+        if reach is None or marlin is None or own is None:
+            return CoserveVerdict(None, f"vLLM would run {stock}; Marlin and {stock} not measured up to "
+                                        f"{max_tokens} tokens ({where})")
+        slower = [m for i, m in enumerate(r.tokens[: reach + 1])
+                  if m > hi and (marlin[i] is None or own[i] is None or marlin[i] > own[i])]
+        if slower:
+            return CoserveVerdict(None, f"vLLM would run {stock}, faster than Marlin (what co-serving runs past "
+                                        f"the window) at M={_ranges(slower)} ({where})")
+    return CoserveVerdict((1, hi), f"co-served: the plugin's kernel on vLLM's Marlin tensors at 1..{hi} tokens "
+                                   f"(at least {least:.2f}x), vLLM's Marlin above ({where})")
+
+
 def _ranges(values: Sequence[int]) -> str:
     shown = ", ".join(map(str, values[:6]))
     return shown + (f" and {len(values) - 6} more" if len(values) > 6 else "")
@@ -144,7 +216,30 @@ def table_to_json(table: MeasuredTable) -> dict:
         },
         "grouped": list(table.grouped),
         "prefill": list(table.prefill),
+        **({} if table.coserve is None else {"coserve": _coserve_to_json(table.coserve)}),
     }
+
+
+def _coserve_to_json(c: CoserveTable) -> dict:
+    return {"generator": c.generator, "tokens": list(c.tokens), "coserved_us": [round(us, 2) for us in c.coserved_us],
+            "vllm_us": {b: [None if us is None else round(us, 2) for us in times] for b, times in c.vllm_us.items()},
+            "launch": list(c.launch)}
+
+
+def _coserve_from_json(c: dict) -> CoserveTable:
+    table = CoserveTable(tokens=tuple(int(m) for m in c["tokens"]), coserved_us=tuple(float(x) for x in c["coserved_us"]),
+                         vllm_us={str(b): tuple(None if x is None else float(x) for x in times)
+                                  for b, times in c["vllm_us"].items()},
+                         launch=tuple(c.get("launch", ())), generator=str(c.get("generator", "")))
+    n = len(table.tokens)
+    if list(table.tokens) != sorted(set(table.tokens)) or any(m < 1 for m in table.tokens):
+        raise ValueError("coserve.tokens must be distinct positive counts, ascending")
+    if len(table.coserved_us) != n or any(len(t) != n for t in table.vllm_us.values()):
+        raise ValueError("every coserve column must have one value per token count")
+    if any(not isinstance(e, dict) or not isinstance(e.get("M"), int) or not isinstance(e.get("config"), dict)
+           for e in table.launch):
+        raise ValueError("coserve.launch entries must be {\"M\": int, \"config\": {...}}")
+    return table
 
 
 def table_from_json(data: dict, path: Optional[Path] = None) -> MeasuredTable:
@@ -174,7 +269,9 @@ def table_from_json(data: dict, path: Optional[Path] = None) -> MeasuredTable:
             raise ValueError(f"shape must be [E, k, K, N, G] and dtype one of {DTYPE_NAMES}")
         return MeasuredTable(gpu=str(data["gpu"]), shape=shape, dtype=str(data["dtype"]), name=str(data.get("name", "")),
                              generator=str(data["generator"]), versions=dict(data.get("versions", {})), routes=routes,
-                             grouped=tuple(data.get("grouped", ())), prefill=tuple(data.get("prefill", ())), path=path)
+                             grouped=tuple(data.get("grouped", ())), prefill=tuple(data.get("prefill", ())),
+                             coserve=None if data.get("coserve") is None else _coserve_from_json(data["coserve"]),
+                             path=path)
     except (KeyError, TypeError, ValueError, IndexError) as error:
         raise ValueError(f"measured table {path or '(unsaved)'}: {error}") from error
 
@@ -192,7 +289,7 @@ def dumps(data: dict) -> str:
     """A table file's text: one line per field, per route-table column and per launch-table entry."""
     lines = []
     for key, value in data.items():
-        if isinstance(value, dict) and key == "route_table":
+        if isinstance(value, dict) and key in ("route_table", "coserve"):
             inner = [f'  {json.dumps(k)}: {json.dumps(v)}' for k, v in value.items()]
             lines.append(f' {json.dumps(key)}: {{\n' + ",\n".join(inner) + "\n }")
         elif isinstance(value, list) and value and isinstance(value[0], dict):

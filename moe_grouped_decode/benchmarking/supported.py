@@ -3,8 +3,9 @@
 
 For every shipped table (one GPU model, layer shape and dtype): whether the plugin serves that
 shape there and for which engines (the largest step, vLLM's ``max_num_batched_tokens``, up to
-which it is faster than vLLM's Marlin and Humming at every measured token count), and the
-range of its speedup. The shapes the project means to serve but has not measured yet are
+which it is faster than vLLM's Marlin and Humming at every measured token count), or co-serves
+it (its kernel on vLLM's Marlin tensors at the first token counts, ``tables.coserve_verdict``),
+and the range of its speedup. The shapes the project means to serve but has not measured yet are
 listed too: their layers stay with vLLM until a table says otherwise.
 """
 
@@ -37,12 +38,32 @@ def largest_admitted_step(table: tables.MeasuredTable) -> Optional[int]:
     return next((step for step in STEPS if tables.verdict(table, step).admitted), None)
 
 
+def coserved(table: tables.MeasuredTable) -> Optional[Tuple[str, str]]:
+    """(served, speedup span) where the table co-serves the shape (vLLM's own pick Marlin, as vLLM
+    0.26 makes on every GPU; said where a pick of Humming, vLLM 0.32+ on Hopper, would not)."""
+    verdict = tables.coserve_verdict(table, "MARLIN")
+    if verdict.window is None:
+        return None
+    lo, hi = verdict.window
+    c = table.coserve
+    ratios = [c.vllm_best_us(i) / c.coserved_us[i] for i, m in enumerate(c.tokens) if m <= hi]
+    humming = tables.coserve_verdict(table, "HUMMING").window
+    served = f"**co-served at {lo}..{hi} tokens**, vLLM's Marlin above"
+    if humming != verdict.window:
+        served += " (not where vLLM picks Humming)" if humming is None else f" (1..{humming[1]} where vLLM picks Humming)"
+    return served, f"{min(ratios):.2f}-{max(ratios):.2f}x at {lo}..{hi}"
+
+
 def row(label: str, table: tables.MeasuredTable) -> str:
     shape = ",".join(map(str, table.shape))
     step = largest_admitted_step(table)
     speedups = [s for m, s in zip(table.routes.tokens, table.routes.speedups()) if s is not None and m <= (step or 16384)]
     span = f"{min(speedups):.2f}-{max(speedups):.2f}x" if speedups else "n/a"
-    if step is None:
+    shared = coserved(table) if step is None else None
+    if shared is not None:
+        served, span = shared
+        why = "whole: " + tables.verdict(table, 16384).reason.split(" (")[0]
+    elif step is None:
         served = "no: stays with vLLM"
         why = tables.verdict(table, 16384).reason.split(" (")[0]
     elif step == STEPS[0]:

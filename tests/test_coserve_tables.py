@@ -1,0 +1,156 @@
+"""The co-serving table and verdict (tables.CoserveTable, tables.coserve_verdict): the window at
+every edge, vLLM's own pick past it, the file format; and who serves a layer once co-serving is
+on (contract.choose_method), on any machine: the tables and vLLM's answer are arguments here."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from moe_grouped_decode import tables
+from moe_grouped_decode.contract import LayerShape, choose_method
+
+SHAPE = (128, 8, 2048, 768, 128)
+LAYER = LayerShape(*SHAPE, torch.float16)
+GPU = "Test GPU"
+ROUTE_TOKENS = (1, 2, 8, 64, 1024, 16384)
+COSERVE_TOKENS = (1, 2, 3, 4, 6, 8)
+
+
+def coserve(speedups, tokens=COSERVE_TOKENS, humming_factor=2.0, launch=()):
+    """vLLM's Marlin is speedups[i] x the co-served kernel's time at tokens[i]; Humming ``humming_factor`` x Marlin."""
+    shared = tuple(5.0 + m for m in tokens)
+    marlin = tuple(us * s for us, s in zip(shared, speedups))
+    return tables.CoserveTable(tokens=tuple(tokens), coserved_us=shared,
+                               vllm_us={"marlin": marlin, "humming": tuple(humming_factor * us for us in marlin)},
+                               launch=launch, generator="tests/test_coserve_tables.py")
+
+
+def table(coserved, marlin_over_humming=(0.5,) * 6, plugin_speedups=(2.0, 1.5, 0.8, 0.7, 0.7, 0.7)):
+    """A table the plugin whole does not win (``plugin_speedups``: vLLM's best over it), whose route
+    table has Marlin at ``marlin_over_humming[i]`` x Humming's time."""
+    plugin = tuple(10.0 + m for m in ROUTE_TOKENS)
+    marlin = tuple(us * s for us, s in zip(plugin, plugin_speedups))
+    humming = tuple(us / r for us, r in zip(marlin, marlin_over_humming))
+    return tables.MeasuredTable(
+        gpu=GPU, shape=SHAPE, dtype="fp16", name="test", generator="tests", versions={},
+        routes=tables.RouteTable(tokens=ROUTE_TOKENS, routes=("grouped",) * 2 + ("prefill",) * 4, plugin_us=plugin,
+                                 vllm_us={"marlin": marlin, "humming": humming}, grouped_tokens=(1, 2)),
+        coserve=coserved)
+
+
+def test_the_window_runs_from_one_token_to_the_last_count_before_the_first_loss():
+    v = tables.coserve_verdict(table(coserve((2.0, 1.8, 1.5, 1.2, 1.0, 1.3))), "MARLIN")
+    assert v.window == (1, 4)  # a tie at 6 ends it; 8's win is past the first loss
+    assert "at 1..4 tokens (at least 1.20x)" in v.reason
+
+
+def test_no_window_where_the_kernel_loses_at_one_token_or_nothing_was_measured():
+    assert tables.coserve_verdict(table(coserve((0.9, 2.0, 2.0, 2.0, 2.0, 2.0))), "MARLIN").window is None
+    assert tables.coserve_verdict(table(None), "MARLIN").window is None
+    late = coserve((2.0,) * 5, tokens=(2, 3, 4, 6, 8))
+    assert "not measured" in tables.coserve_verdict(table(late), "MARLIN").reason
+
+
+def test_the_faster_of_vllms_backends_is_the_bar_inside_the_window():
+    # Humming at 0.6 x Marlin: the kernel must beat 0.6 x 1.5 = 0.9 of its time at M = 3
+    v = tables.coserve_verdict(table(coserve((2.0, 1.8, 1.5, 1.5, 1.5, 1.5), humming_factor=0.6)), "MARLIN")
+    assert v.window == (1, 2)
+
+
+def test_an_unmeasured_backend_ends_the_window():
+    c = coserve((2.0,) * 6)
+    holes = list(c.vllm_us["humming"])
+    holes[2] = None
+    v = tables.coserve_verdict(table(dataclasses.replace(c, vllm_us={**c.vllm_us, "humming": tuple(holes)})), "MARLIN")
+    assert v.window == (1, 2)
+
+
+def test_where_vllm_would_pick_humming_marlin_must_keep_up_past_the_window():
+    wins = coserve((2.0,) * 6)
+    # Marlin faster than Humming everywhere: co-serving (Marlin past the window) loses nothing
+    assert tables.coserve_verdict(table(wins), "HUMMING").window == (1, 8)
+    # Humming faster at 64 tokens: forcing Marlin would make those steps slower than stock vLLM
+    slower = table(wins, marlin_over_humming=(0.5, 0.5, 0.5, 1.2, 0.5, 0.5))
+    v = tables.coserve_verdict(slower, "HUMMING")
+    assert v.window is None and "faster than Marlin" in v.reason and "M=64" in v.reason
+    # inside the window the route table's Marlin/Humming order does not matter
+    assert tables.coserve_verdict(table(wins, marlin_over_humming=(1.2, 1.2, 0.5, 0.5, 0.5, 0.5)),
+                                  "HUMMING").window == (1, 8)
+    # and the engine's step bounds how far it must keep up
+    assert tables.coserve_verdict(slower, "HUMMING", max_tokens=8).window == (1, 8)
+    # where vLLM picks Marlin itself, co-serving runs exactly its kernel past the window
+    assert tables.coserve_verdict(slower, "MARLIN").window == (1, 8)
+
+
+@pytest.mark.parametrize("backend", ["CPU", None, "TRITON"])
+def test_no_co_serving_where_vllm_would_run_neither_marlin_nor_humming(backend):
+    v = tables.coserve_verdict(table(coserve((2.0,) * 6)), backend)
+    assert v.window is None and "not one co-serving is measured against" in v.reason
+
+
+def test_a_co_serving_table_round_trips_through_its_file(tmp_path):
+    launch = ({"M": 4, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1, "fused_combine": True}},
+              {"M": 8, "config": {"w13_warps": 8, "w13_chunks": 2, "w2_warps": 2, "fused_combine": False}})
+    t = table(coserve((2.0,) * 6, launch=launch))
+    path = tables.write_table(t, tmp_path)
+    assert tables.read_dir(tmp_path)[0] == t
+    plain = table(None)
+    tables.write_table(plain, tmp_path)
+    assert "coserve" not in json.loads(path.read_text()) and tables.read_dir(tmp_path)[0].coserve is None
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(tokens=[2, 1, 3, 4, 6, 8]), "ascending"),
+    (lambda c: c["coserved_us"].pop(), "one value per token count"),
+    (lambda c: c["vllm_us"]["marlin"].pop(), "one value per token count"),
+    (lambda c: c.update(launch=[{"M": 4}]), "launch entries"),
+    (lambda c: c.pop("tokens"), "'tokens'"),
+])
+def test_a_broken_co_serving_table_is_an_error_naming_the_file(tmp_path, change, message):
+    data = tables.table_to_json(table(coserve((2.0,) * 6)))
+    change(data["coserve"])
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message) as error:
+        tables.read_dir(tmp_path)
+    assert str(path) in str(error.value)
+
+
+def choose(device=GPU, vllm_backend="MARLIN", coserve=True, plugin_on=True, force=False):
+    return choose_method(LAYER, device, plugin_on=plugin_on, force=force, vllm_backend=vllm_backend, coserve=coserve)
+
+
+def test_a_declined_layer_is_co_served_in_its_window_on_its_gpu():
+    with tables.table_registered(table(coserve((2.0, 1.8, 1.5, 0.9, 1.2, 1.2)))):
+        choice = choose()
+        assert choice.route == "coserved" and choice.coserve_window == (1, 3)
+        assert not choice.served_by_plugin and not choice.admission and choice.reason.startswith("co-served")
+        assert choose(device="Another GPU").route == "vllm"  # the table is this GPU's
+        assert choose(coserve=False).route == "vllm"  # not on a CUDA device, or the switch off
+        assert choose(plugin_on=False).route == "vllm"
+        assert choose(force=True).served_by_plugin  # forcing takes the whole layer
+
+
+def test_a_table_that_admits_the_plugin_whole_is_not_co_served():
+    wins_whole = dataclasses.replace(table(coserve((2.0,) * 6)), routes=table(None, plugin_speedups=(2.0,) * 6).routes)
+    with tables.table_registered(wins_whole):
+        assert choose().route == "grouped" and choose().served_by_plugin  # its grouped window, the plugin whole
+
+
+def test_a_layer_co_serving_cannot_help_stays_with_vllm_and_says_why():
+    with tables.table_registered(table(coserve((0.8,) * 6))):
+        choice = choose()
+    assert choice.route == "vllm" and choice.coserve_window is None and "not admitted" in choice.reason
+
+
+def test_the_supported_models_row_says_where_a_shape_is_co_served():
+    from moe_grouped_decode.benchmarking import supported
+
+    row = supported.row("a model", table(coserve((2.0, 1.8, 1.5, 0.9, 1.2, 1.2))))
+    assert "**co-served at 1..3 tokens**, vLLM's Marlin above" in row and "1.50-2.00x at 1..3" in row
+    assert "whole: vLLM is as fast or faster at M=8" in row
+    humming_faster = table(coserve((2.0,) * 6), marlin_over_humming=(0.5, 0.5, 0.5, 1.2, 0.5, 0.5))
+    assert "(not where vLLM picks Humming)" in supported.row("a model", humming_faster)
+    assert "no: stays with vLLM" in supported.row("a model", table(coserve((0.5,) * 6)))
