@@ -63,3 +63,27 @@ def test_marlin_grouped_matches_reference(layer, M, config):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, out)
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_the_co_served_op_matches_reference_and_replays_in_a_graph(layer, M):
+    """The op the co-served method calls (its config from the tables), eager and inside a CUDA
+    graph whose capture allocates the op's scratch, as vLLM's graphs capture the layer."""
+    from moe_grouped_decode.ops import awq_marlin_grouped_decode_cuda
+
+    awq, tensors, grouped, (E, k, K, N, G), dtype = layer
+    gen = torch.Generator().manual_seed(7 + M)
+    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32).cuda()
+    tw = torch.rand(M, k, generator=gen).cuda()
+    args = (x, tw, ids, *tensors, N, G, grouped)
+    out = awq_marlin_grouped_decode_cuda(*args)
+    stats = error_stats(out.cpu(), reference_moe(x.cpu(), tw.cpu(), ids.cpu(), awq))
+    assert not stats.nan and stats.scaled_max_abs <= BOUND[dtype], stats
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = awq_marlin_grouped_decode_cuda(*args)
+    replayed.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, out)

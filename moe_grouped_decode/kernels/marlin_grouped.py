@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import tables
 from .awq_mma import CHUNK_LOOP_UNROLL, CHUNK_ROWS, UNROLLED_CHUNKS, chunk_lanes
 from .combine import combine_sums
 from .marlin_mma import (MARLIN_TILE_COLUMNS, MARLIN_TILE_WORDS, marlin_chunk_columns, marlin_chunk_rows,
@@ -230,6 +231,31 @@ class MarlinGroupedConfig:
 
 
 COMBINE_BLOCK = 256
+
+
+def config_from_entry(entry: dict) -> MarlinGroupedConfig:
+    """A launch-table entry's config (``tables.CoserveTable.launch``); ValueError naming a bad one."""
+    try:
+        return MarlinGroupedConfig(**entry["config"])
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"co-served launch-table entry {entry!r}: {error}") from error
+
+
+def coserved_config(gpu: str, shape, dtype: str, num_tokens: int) -> MarlinGroupedConfig:
+    """The launch config the co-served kernel runs at M = ``num_tokens`` for ``shape`` (E, k, K, N, G)
+    and ``dtype`` ("fp16"/"bf16") on ``gpu``: the measured table's entry (an entry serves every M
+    up to its own, the last every M above), else the default; one that cannot tile K falls back to
+    the default."""
+    table = tables.config_table(gpu, tuple(shape), dtype)
+    entries = sorted(table.coserve.launch, key=lambda e: e["M"]) if table is not None and table.coserve else []
+    config = MarlinGroupedConfig()
+    if entries:
+        config = config_from_entry(next((e for e in entries if num_tokens <= e["M"]), entries[-1]))
+    try:
+        config.splits(shape[2])
+    except ValueError:
+        config = MarlinGroupedConfig()
+    return config
 
 
 def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_qweight, w13_scales,
