@@ -984,6 +984,7 @@ def teacher_forced_report(a: dict, b: dict) -> dict:
 
 ADMITTED_RE = re.compile(r"(\d+) MoE layer\(s\) admitted under contract '([^']+)'")
 DENSE_RE = re.compile(r"(\d+) served by the plugin's dense route")
+COSERVED_RE = re.compile(r"(\d+) co-served: the plugin's kernel on vLLM's Marlin tensors at (\d+)\.\.(\d+) tokens")
 LEFT_TO_VLLM_RE = re.compile(r"MoE layers of shape (.+?) \(first: [^)]*\) left to vLLM's own (\S+) backend: (.*?)\. "
                              r"MOE_GROUPED_DECODE_FORCE=1")
 
@@ -998,6 +999,9 @@ def moe_backends(plugin_lines: List[str]) -> List[str]:
                           "prefill route outside the window)")
         for match in DENSE_RE.finditer(line):
             served.append(f"the plugin's dense route ({match[1]} layer(s))")
+        for match in COSERVED_RE.finditer(line):
+            served.append(f"co-served: the plugin's kernel at {match[2]}..{match[3]} tokens, vLLM's Marlin above "
+                          f"({match[1]} layer(s))")
         match = LEFT_TO_VLLM_RE.search(line)
         if match:
             served.append(f"vLLM's own {match[2]} backend ({match[1]}: {match[3]})")

@@ -451,6 +451,11 @@ def test_moe_backends_from_the_plugins_startup_lines(e2e):
         "the plugin, grouped route under contract 'qwen3.8-tp4' (48 layer(s), its prefill route outside the window)",
         "the plugin's dense route (2 layer(s))"]
     assert e2e.moe_backends([]) == ["not stated in the log (no plugin line)"]
+    coserved = ("moe_grouped_decode: 16 co-served: the plugin's kernel on vLLM's Marlin tensors at 1..5 tokens (at "
+                "least 1.31x), vLLM's Marlin above (NVIDIA H100 80GB HBM3, 128x8x2048x768x128 fp16): "
+                "model.layers.0.mlp.experts ... model.layers.15.mlp.experts")
+    assert e2e.moe_backends([coserved]) == [
+        "co-served: the plugin's kernel at 1..5 tokens, vLLM's Marlin above (16 layer(s))"]
 
 
 def test_report_with_a_forced_arm(e2e, tmp_path):

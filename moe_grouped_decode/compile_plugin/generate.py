@@ -139,7 +139,7 @@ def main(argv=None) -> int:
             name: {
                 "contract": decision.admission.contract.name if decision.admission else None,
                 "served_by_plugin": decision.served_by_plugin,
-                "route": decision.choice.route,  # "grouped", "dense" (the plugin's) or "vllm"
+                "route": decision.choice.route,  # "grouped", "dense" (the plugin's), "coserved" or "vllm"
                 "vllm_backend": decision.vllm_backend,  # what vLLM's own selection answered (None: none here)
                 "reason": decision.choice.reason,
                 "admission": decision.admission.reason,

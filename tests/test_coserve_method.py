@@ -1,0 +1,170 @@
+"""Co-serving inside the plugin's quantization config, without an engine or a GPU: which method a
+layer gets once its table co-serves it, how MARLIN is forced through the layer's own
+``moe_config.moe_backend`` (and given back), what refuses co-serving at load, and which calls
+``apply`` hands the plugin's op. vLLM cannot build its Marlin method on a CPU, so its constructor
+is replaced here by each of its answers; the GPU end-to-end run builds the real one."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_grouped_decode import tables
+from moe_grouped_decode.checkpoints import TINY, hf_config
+from moe_grouped_decode.contract import LayerShape
+
+pytestmark = pytest.mark.vllm  # imports vllm (no engine is started)
+
+SHAPE = (128, 8, 2048, 768, 128)
+LAYER = LayerShape(*SHAPE, torch.float16)
+GPU = "Test GPU"
+
+
+def coserving_table() -> tables.MeasuredTable:
+    """Declined whole (the plugin slower at 64 tokens and above), co-served at 1..4 tokens."""
+    tokens = (1, 2, 8, 64, 1024, 16384)
+    plugin = tuple(10.0 + m for m in tokens)
+    marlin = tuple(us * s for us, s in zip(plugin, (2.0, 2.0, 1.2, 0.8, 0.7, 0.7)))
+    shared = (4.0, 5.0, 6.0, 30.0)
+    return tables.MeasuredTable(
+        gpu=GPU, shape=SHAPE, dtype="fp16", name="test", generator="tests", versions={},
+        routes=tables.RouteTable(tokens=tokens, routes=("grouped",) * 2 + ("prefill",) * 4, plugin_us=plugin,
+                                 vllm_us={"marlin": marlin, "humming": tuple(2 * us for us in marlin)},
+                                 grouped_tokens=(1, 2)),
+        coserve=tables.CoserveTable(tokens=(1, 2, 4, 8), coserved_us=shared,
+                                    vllm_us={"marlin": (10.0,) * 4, "humming": (20.0,) * 4}))
+
+
+def fake_layer(moe_backend="auto"):
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    s = LAYER
+    moe = SimpleNamespace(num_local_experts=s.num_experts, num_experts=s.num_experts, experts_per_token=s.top_k,
+                          hidden_dim=s.hidden_size, intermediate_size_per_partition=s.intermediate_size,
+                          in_dtype=s.dtype, activation=MoEActivation.SILU, has_bias=False,
+                          rocm_aiter_fmoe_enabled=False, is_lora_enabled=False, max_num_tokens=64,
+                          moe_backend=moe_backend)
+    return SimpleNamespace(moe_config=moe, apply_router_weight_on_input=False, swiglu_limit=None, swiglu_alpha=None)
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch):
+    """The quantization config on a (pretend) Hopper GPU named GPU, vLLM's own pick MARLIN, and
+    vLLM's AutoAWQMoEMethod constructor recording the backend it was asked for."""
+    from vllm.model_executor.layers.quantization.auto_awq import AutoAWQMoEMethod
+
+    from moe_grouped_decode.compile_plugin import quant_config, register
+
+    register()
+    platform = SimpleNamespace(device_type="cuda", get_device_capability=lambda: SimpleNamespace(major=9, minor=0),
+                               get_device_name=lambda: GPU)
+    monkeypatch.setattr(quant_config, "current_platform", platform)
+    monkeypatch.setattr(quant_config, "check_switch", lambda device_type, capability: True)
+    vllm_method = object()
+    monkeypatch.setattr(quant_config, "vllm_own_moe_method", lambda config, layer, prefix: (vllm_method, "MARLIN"))
+    asked = []
+    answer = {"backend": "MARLIN"}
+
+    def constructor(self, quant_config_, moe):
+        asked.append(moe.moe_backend)
+        if answer["backend"] is None:
+            raise ValueError("Marlin does not support this")
+        self.moe, self.quant_config = moe, quant_config_
+        self.wna16_moe_backend = SimpleNamespace(value=answer["backend"])
+        self.moe_kernel = None
+
+    monkeypatch.setattr(AutoAWQMoEMethod, "__init__", constructor)
+    config = quant_config.GroupedDecodeAwqConfig.from_config(hf_config(TINY)["quantization_config"] | {"group_size": 128})
+    with tables.table_registered(coserving_table()):
+        yield SimpleNamespace(config=config, vllm_method=vllm_method, asked=asked, answer=answer)
+
+
+def choose_for(gpu, layer, prefix):
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from moe_grouped_decode.compile_plugin import startup
+
+    with set_current_vllm_config(VllmConfig()):
+        method = gpu.config._moe_method(layer, prefix)
+    return method, startup.LAYER_DECISIONS.pop(prefix)
+
+
+def test_a_co_served_layer_gets_vllms_method_forced_onto_marlin(on_a_gpu):
+    from moe_grouped_decode.compile_plugin.coserve_method import AwqMarlinCoServedMethod
+
+    layer = fake_layer()
+    method, decision = choose_for(on_a_gpu, layer, "model.layers.0.mlp.experts")
+    assert isinstance(method, AwqMarlinCoServedMethod) and method.window == (1, 4)
+    assert on_a_gpu.asked == ["marlin"] and layer.moe_config.moe_backend == "auto"  # forced, then given back
+    assert decision.choice.route == "coserved" and decision.vllm_backend == "MARLIN"
+    assert "plugin at 1..4 tokens, Marlin above" in method.method_name
+    assert method.scales_grouped  # G = 128 < N = 768: vLLM writes the grouped order
+
+
+def test_a_users_moe_backend_is_kept_and_the_layer_is_then_not_co_served(on_a_gpu):
+    on_a_gpu.answer["backend"] = "HUMMING"  # what --moe-backend humming makes vLLM build
+    layer = fake_layer(moe_backend="humming")
+    method, decision = choose_for(on_a_gpu, layer, "model.layers.1.mlp.experts")
+    assert on_a_gpu.asked == ["humming"] and layer.moe_config.moe_backend == "humming"
+    assert method is on_a_gpu.vllm_method and decision.choice.route == "vllm"
+    assert "not co-served" in decision.choice.reason and "HUMMING" in decision.choice.reason
+
+
+def test_where_vllm_refuses_marlin_the_layer_keeps_vllms_own_method(on_a_gpu):
+    on_a_gpu.answer["backend"] = None
+    layer = fake_layer()
+    method, decision = choose_for(on_a_gpu, layer, "model.layers.2.mlp.experts")
+    assert method is on_a_gpu.vllm_method and layer.moe_config.moe_backend == "auto"
+    assert "vLLM will not run Marlin for it: Marlin does not support this" in decision.choice.reason
+
+
+def loaded_method(monkeypatch, **changes):
+    """A co-served method as ``process_weights_after_loading`` leaves it, on CPU tensors."""
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+
+    from moe_grouped_decode.compile_plugin.coserve_method import AwqMarlinCoServedMethod
+
+    method = AwqMarlinCoServedMethod.__new__(AwqMarlinCoServedMethod)
+    method.shape = changes.pop("shape", LAYER)
+    method.window = (1, 4)
+    prepare = changes.pop("prepare_finalize", MoEPrepareAndFinalizeNoDPEPModular.__new__(MoEPrepareAndFinalizeNoDPEPModular))
+    overlap = changes.pop("overlap", False)
+    method.moe_kernel = SimpleNamespace(prepare_finalize=prepare, can_overlap_shared_experts=overlap)
+    layer = SimpleNamespace(w13_qweight=SimpleNamespace(device=torch.device(changes.pop("device", "cuda"))),
+                            w13_scales=torch.zeros(1, dtype=changes.pop("scales", torch.float16)))
+    assert not changes
+    return method, layer
+
+
+@pytest.mark.parametrize("change, why", [
+    ({}, None),
+    ({"prepare_finalize": object()}, "gathers or dispatches tokens"),
+    ({"overlap": True}, "runs the shared experts inside it"),
+    ({"shape": dataclasses.replace(LAYER, intermediate_size=128)}, "N == G"),
+    ({"device": "cpu"}, "not on a CUDA device"),
+    ({"scales": torch.bfloat16}, "scales in torch.bfloat16"),
+])
+def test_what_refuses_co_serving_at_load(monkeypatch, change, why):
+    monkeypatch.delenv("VLLM_MARLIN_INPUT_DTYPE", raising=False)
+    method, layer = loaded_method(monkeypatch, **change)
+    refusal = method.refusal(layer)
+    assert refusal is None if why is None else why in refusal
+
+
+def test_marlin_on_8_bit_activations_refuses_co_serving(monkeypatch):
+    method, layer = loaded_method(monkeypatch)
+    monkeypatch.setenv("VLLM_MARLIN_INPUT_DTYPE", "fp8")
+    assert "VLLM_MARLIN_INPUT_DTYPE is set" in method.refusal(layer)
+
+
+def test_apply_hands_the_plugin_only_plain_cuda_tensors_in_the_window(monkeypatch):
+    method, _ = loaded_method(monkeypatch)
+    x = torch.zeros(3, 8)
+    assert not method.serves(x)  # a CPU tensor
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert [method.serves(torch.zeros(m, 8)) for m in (1, 4, 5)] == [True, True, False]
+    method.window = None  # refused at load
+    assert not method.serves(torch.zeros(1, 8))
