@@ -7,7 +7,11 @@ reference of the AutoAWQ layer. The cases cover: N padded to N_p (gate and up ea
 at G = 32, the only padding vLLM makes, since N is a multiple of G), N == G (vLLM's channelwise
 scale order; at G = 32 with padding too), G = 32 / 64 / 128, a W2 past
 awq_mma.UNROLLED_CHUNKS (its chunk loop), several warps in both kernels, an id outside [0, E),
-fp16 and bf16, the combine fused into W2 and as its own launch. Prints one line per case and exits non-zero on the first failure.
+fp16 and bf16, the combine fused into W2 and as its own launch. Then the co-served op's CUDA
+implementation (ops/marlin.py), whose launch config per M comes from a registered table, against
+the op's CPU implementation; and the tune's co-serving measurement (benchmarking/coserve.py) with
+a stand-in clock: which candidates it drops, which it keeps per M, the launch table it writes.
+Prints one line per case and exits non-zero on the first failure.
 """
 
 import os
@@ -75,7 +79,86 @@ def main() -> None:
         print(f"FAIL M = 0 gives {tuple(empty.shape)}", flush=True)
         sys.exit(1)
     print("ok   M = 0: an empty [0, K] output", flush=True)
+    check_coserved_op(gen)
+    check_coserve_measurement()
     print("all interpreter marlin checks passed", flush=True)
+
+
+def fail(message: str) -> None:
+    print(f"FAIL {message}", flush=True)
+    sys.exit(1)
+
+
+def check_coserved_op(gen) -> None:
+    """The op's CUDA implementation runs the config the table names for each M (a config that
+    cannot tile K falls back to the default one) and computes what its CPU implementation does."""
+    from moe_grouped_decode import tables
+    from moe_grouped_decode.kernels import device_facts
+    from moe_grouped_decode.kernels.marlin_grouped import coserved_config
+    from moe_grouped_decode.ops import awq_marlin_grouped_decode, awq_marlin_grouped_decode_cuda
+
+    E, k, K, N, G = 4, 2, 512, 96, 32
+    awq = synthetic_moe_weights(E, K, N, G, dtype=F16, seed=7)
+    marlin = awq_to_marlin(awq)
+    launch = ({"M": 1, "config": {"w13_warps": 1, "w13_chunks": 1, "w2_warps": 1, "fused_combine": True}},
+              {"M": 3, "config": {"w13_warps": 2, "w13_chunks": 2, "w2_warps": 2, "fused_combine": False}},
+              {"M": 4, "config": {"w13_warps": 8, "w13_chunks": 4, "w2_warps": 1, "fused_combine": True}})
+    gpu = device_facts(torch.device("cpu")).name
+    route = tables.RouteTable(tokens=(1,), routes=("grouped",), plugin_us=(1.0,), vllm_us={"marlin": (2.0,)},
+                              grouped_tokens=None)
+    table = tables.MeasuredTable(gpu=gpu, shape=(E, k, K, N, G), dtype="fp16", name="interpret", generator="",
+                                 versions={}, routes=route,
+                                 coserve=tables.CoserveTable((1,), (1.0,), {"marlin": (2.0,)}, launch))
+    with tables.table_registered(table):
+        chosen = [coserved_config(gpu, table.shape, "fp16", M) for M in (1, 2, 3, 4, 9)]
+        want = [(1, 1, 1, True), (2, 2, 2, False), (2, 2, 2, False), (4, 4, 2, True), (4, 4, 2, True)]
+        got = [(c.w13_warps, c.w13_chunks, c.w2_warps, c.fused_combine) for c in chosen]
+        if got != want:  # 8 x 4 x 32 rows do not tile K = 512: the default
+            fail(f"co-served configs per M {got}, expected {want}")
+        for M in (1, 3):
+            x = torch.randn(M, K, generator=gen).to(F16)
+            tw = torch.rand(M, k, generator=gen)
+            ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32)
+            args = (x, tw, ids, *marlin.tensors(), N, G, marlin.scales_grouped)
+            check(f"co-served op (CUDA implementation) M={M} config {got[M - 1]}",
+                  awq_marlin_grouped_decode_cuda(*args), reference_moe(x, tw, ids, awq), F16)
+            check(f"co-served op (CPU implementation) M={M}", awq_marlin_grouped_decode(*args),
+                  reference_moe(x, tw, ids, awq), F16)
+
+
+def check_coserve_measurement() -> None:
+    from moe_grouped_decode.benchmarking import tune
+    from moe_grouped_decode.benchmarking.coserve import measure_coserve
+
+    spec = tune.LayerSpec((8, 2, 256, 64, 32), "fp16", "interpret")
+    layers = [synthetic_moe_weights(8, 256, 64, 32, dtype=F16, seed=50 + i) for i in range(2)]
+    clocked = []
+
+    def clock(step, calls, key):
+        for i in range(calls):
+            step(i)
+        clocked.append(key)
+        # 2x4x2 the faster at one and two tokens, 4x2x1 at three
+        return {("2x4x2", 3): 7.0, ("4x2x1", 3): 6.0}.get((key[2], key[1]), {"4x2x1": 5.0, "2x4x2": 4.0}[key[2]])
+
+    def vllm_timer(inputs):
+        return {"marlin": {M: 9.0 for M in inputs}, "humming": "not installed here"}
+
+    logged = []
+    measure = tune.Measurement(spec, layers, clock, vllm_timer, torch.device("cpu"), large_layers=1)
+    table = measure_coserve(measure, (1, 2, 3), candidates=("4x2x1", "2x4x2", "4x4x2"), log=logged.append,
+                            generator="interpret")
+    if not any("4x4x2" in line and "does not tile K = 256" in line for line in logged):
+        fail(f"a candidate that cannot tile K was not said: {logged}")
+    if sorted({key[2] for key in clocked}) != ["2x4x2", "4x2x1"] or len(clocked) != 6:
+        fail(f"timed {clocked}")
+    launch = [(e["M"], e["config"]["w13_warps"], e["config"]["w13_chunks"]) for e in table.launch]
+    if table.coserved_us != (4.0, 4.0, 6.0) or launch != [(2, 2, 4), (3, 4, 2)]:
+        fail(f"co-serving table {table}")
+    if table.vllm_us != {"marlin": (9.0, 9.0, 9.0), "humming": (None, None, None)} or not any(
+            "humming: not installed here" in line for line in logged):
+        fail(f"vLLM's times {table.vllm_us}, log {logged}")
+    print("ok   co-serving measurement: candidates checked and timed, the fastest per M, its launch table", flush=True)
 
 
 if __name__ == "__main__":

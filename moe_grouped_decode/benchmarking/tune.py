@@ -29,9 +29,16 @@ weights through one CUDA graph:
    counts won first, whatever their group size), each such count then running its own best (a
    group size tuned at a power of two can straddle an expert's rows just above it) where it is
    faster when measured again as the op runs it;
-4. decide: the grouped window (the longest run of counts from 1 where the grouped op is the
+4. co-serve: at the first counts (``--coserve-tokens``), the plugin's grouped decode over vLLM's
+   Marlin tensors (the tune's layers in Marlin's layout) under each of a few launch configs,
+   then vLLM's backends again on the same inputs (``coserve.py``): the co-serving table;
+5. decide: the grouped window (the longest run of counts from 1 where the grouped op is the
    faster route), the plugin's route and time per count, the verdict (``tables.verdict``:
-   admitted only if faster than every vLLM backend at every count).
+   admitted only if faster than every vLLM backend at every count) and, for a shape not
+   admitted, the co-serving verdict (``tables.coserve_verdict``: the counts from 1 where the
+   co-served kernel beats vLLM, the rest left to vLLM's Marlin).
+
+``--coserve-only`` measures step 4 alone and writes it into the shape's existing table.
 
 ``--compile-workers N`` compiles the search's candidates in N processes before step 1 (each
 launched once at the counts it will be timed at, into Triton's on-disk cache), within the
@@ -59,6 +66,8 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .. import tables
+from .coserve import COSERVE_TOKENS, measure_coserve
+from .coserve import markdown as coserve_markdown
 from .precompile import CompileJob, compile_candidates, jobs_for
 
 # token counts timed on every route (to --max-tokens): every count where decode batches live,
@@ -507,15 +516,17 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
          grouped_max: int = 256, budget_s: float = 130.0, refine: bool = True, refine_budget_s: float = 45.0,
          generator: str = "",
          grouped_candidates: Sequence = (), prefill_candidates: Sequence = (), family: str = "gluon",
-         compile_workers: int = 0, log=print) -> Tuple[tables.MeasuredTable, dict]:
+         compile_workers: int = 0, coserve_tokens: Sequence[int] = (), log=print) -> Tuple[tables.MeasuredTable, dict]:
     """Search, measure and decide (module docstring); returns the table and what could not be
     measured ({"missing": {backend: why}}). ``compile_workers``: compile the search's candidates in
-    that many processes first (``precompile``), within the search's budget."""
+    that many processes first (``precompile``), within the search's budget; ``coserve_tokens``:
+    the counts of the co-serving table (none: no table)."""
     tokens = token_grid(max_tokens)
     grouped_search = [m for m in GROUPED_SEARCH_TOKENS if m <= grouped_max]
     prefill_search = sorted({m for m in PREFILL_SEARCH_TOKENS if m <= max_tokens} | {max_tokens})
     progress = Progress(len(grouped_search) * len(grouped_candidates) + len(prefill_search) * len(prefill_candidates)
-                        + len(tokens) + sum(m <= grouped_max for m in tokens) + 1)
+                        + len(tokens) + sum(m <= grouped_max for m in tokens) + 1
+                        + (len(coserve_tokens) + 1 if coserve_tokens else 0))
     if compile_workers > 0:
         began = time.time()
         try:
@@ -544,8 +555,9 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
         return tables.MeasuredTable(gpu=gpu, shape=measure.spec.shape, dtype=measure.spec.dtype, name=measure.spec.name,
                                     generator=generator, versions=versions, routes=routes,
                                     grouped=launch_table_entries(best_grouped, family),
-                                    prefill=launch_table_entries(best_prefill))
+                                    prefill=launch_table_entries(best_prefill), coserve=coserve)
 
+    coserve = None
     missing: dict = {}
     with tables.table_registered(table_of({1: Timings(None, 0.0, {})})):  # the ops look configs up here, as at run time
         timings = time_routes(measure, tokens, grouped_max, progress, missing)
@@ -557,6 +569,8 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
     if refine and prefill_candidates:
         best_prefill = refine_prefill(measure, timings, best_prefill, prefill_candidates, table_of, progress,
                                       time.time() + refine_budget_s, log, searched=prefill_searched)
+    if coserve_tokens:
+        coserve = measure_coserve(measure, coserve_tokens, step=progress.step, log=log, generator=generator)
     return table_of(timings), {"missing": missing, "timings": {m: dataclasses.asdict(t) for m, t in timings.items()}}
 
 
@@ -726,6 +740,12 @@ def plot(table: tables.MeasuredTable, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     points = [(m, s) for m, s in zip(r.tokens, r.speedups()) if s is not None]
     ax.plot([m for m, _ in points], [s for _, s in points], "o-", label="vLLM's faster backend / plugin")
+    c = table.coserve
+    if c is not None:
+        shared = [(m, c.vllm_best_us(i) / c.coserved_us[i]) for i, m in enumerate(c.tokens)
+                  if c.vllm_best_us(i) is not None]
+        ax.plot([m for m, _ in shared], [s for _, s in shared], "s--",
+                label="vLLM's faster backend / co-served kernel (Marlin tensors)")
     ax.axhline(1.0, color="grey", lw=1)
     if r.grouped_tokens:
         ax.axvspan(r.grouped_tokens[0], r.grouped_tokens[1], color="tab:green", alpha=0.1, label="grouped route")
@@ -799,29 +819,54 @@ def run(args, spec: LayerSpec) -> int:
     # the command that reproduces the table (where its report goes does not change it)
     command = "python -m moe_grouped_decode tune " + " ".join(args.argv)
     command = re.sub(r" --report-dir[ =]\S+", "", command)
-    table, extra = tune(measure, gpu, ver, max_tokens=args.max_tokens, grouped_max=args.grouped_max,
-                        budget_s=args.budget_s, refine=not args.no_refine, refine_budget_s=args.refine_budget_s,
-                        generator=command,
-                        grouped_candidates=grouped_candidates(capability, family),
-                        prefill_candidates=prefill_candidates(capability, spec.shape), family=family,
-                        compile_workers=args.compile_workers)
+    directory = tables.SHIPPED_DIR if args.ship else tables.cache_dir(ver)
+    if args.coserve_only:
+        tables.use_cached_tables(ver)
+        table = tables.find_table(gpu, spec.shape, spec.dtype)
+        if table is None:
+            print(f"[tune] --coserve-only: no table of {spec.shape} {spec.dtype} on {gpu} to add co-serving to "
+                  "(run the tune without it)", file=sys.stderr)
+            return 2
+        progress = Progress(len(args.coserve_tokens) + 1)
+        coserve = measure_coserve(measure, args.coserve_tokens, step=progress.step, generator=command)
+        table = dataclasses.replace(table, coserve=coserve)
+        extra = {"missing": {}}
+    else:
+        table, extra = tune(measure, gpu, ver, max_tokens=args.max_tokens, grouped_max=args.grouped_max,
+                            budget_s=args.budget_s, refine=not args.no_refine, refine_budget_s=args.refine_budget_s,
+                            generator=command,
+                            grouped_candidates=grouped_candidates(capability, family),
+                            prefill_candidates=prefill_candidates(capability, spec.shape), family=family,
+                            compile_workers=args.compile_workers, coserve_tokens=args.coserve_tokens)
     for backend, why in extra["missing"].items():
         print(f"[tune] vLLM's {backend}: {why}", flush=True)
     verdict = tables.verdict(table, args.max_tokens)
-    directory = tables.SHIPPED_DIR if args.ship else tables.cache_dir(ver)
     path = tables.write_table(table, directory)
     report = Path(args.report_dir)
     report.mkdir(parents=True, exist_ok=True)
     stem = Path(tables.file_name(*table.key)).stem
     text = markdown(table, verdict)
+    coserve_verdicts = {}
+    if table.coserve is not None:
+        for backend in ("MARLIN", "HUMMING"):  # vLLM's own pick: Marlin (0.26), Humming (0.32+ on Hopper)
+            coserve_verdicts[backend] = tables.coserve_verdict(table, backend, args.max_tokens)
+            text += "\n" + coserve_markdown(table, coserve_verdicts[backend], backend)
     (report / f"{stem}.md").write_text(text)
     (report / f"{stem}.json").write_text(json.dumps({"table": tables.table_to_json(table), "verdict": dataclasses.asdict(
-        verdict), **extra, "seconds": round(time.time() - started, 1)}, indent=1))
+        verdict), "coserve_verdicts": {b: dataclasses.asdict(v) for b, v in coserve_verdicts.items()}, **extra,
+        "seconds": round(time.time() - started, 1)}, indent=1))
     plot(table, report / f"{stem}.png")
     print(text)
     print(f"[tune] wrote {path} (read by the vLLM plugin at startup) and {report}/{stem}.md/.json/.png in "
           f"{time.time() - started:.0f} s", flush=True)
     return 0
+
+
+def _counts(text: str) -> Tuple[int, ...]:
+    counts = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    if any(m < 1 for m in counts) or (counts and counts[0] != 1):
+        raise argparse.ArgumentTypeError(f"token counts from 1, positive: {text!r}")
+    return counts
 
 
 def main(argv=None) -> int:
@@ -851,12 +896,19 @@ def main(argv=None) -> int:
                         "search again there")
     parser.add_argument("--vllm-sources", default=".vllm_moe_src", help="vLLM's fetched sources (where vLLM itself "
                         "is not installed with its CUDA ops)")
+    parser.add_argument("--coserve-tokens", type=_counts, default=COSERVE_TOKENS,
+                        help="token counts of the co-serving table, comma separated ('' for none; default "
+                             f"{','.join(map(str, COSERVE_TOKENS))})")
+    parser.add_argument("--coserve-only", action="store_true", help="measure the co-serving table alone and "
+                        "write it into the shape's existing table (shipped, or the cache's)")
     parser.add_argument("--ship", action="store_true", help="write to the package's tables/ (the project's own runs)")
     parser.add_argument("--report-dir", default="artifacts/tune", help="JSON, Markdown and plot")
     args = parser.parse_args(argv)
     args.argv = argv
     if bool(args.checkpoint) == bool(args.shape):
         parser.error("give a checkpoint directory or --shape E,k,K,N,G (one of them)")
+    if args.coserve_only and not args.coserve_tokens:
+        parser.error("--coserve-only needs --coserve-tokens")
     try:
         spec = (spec_from_shape(args.shape, args.dtype or "fp16", args.name) if args.shape else
                 spec_from_checkpoint(Path(args.checkpoint), args.tensor_parallel_size, args.enable_expert_parallel,

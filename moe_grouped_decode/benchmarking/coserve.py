@@ -1,0 +1,133 @@
+"""The co-serving table of a tune: the plugin's grouped decode over vLLM's Marlin tensors against
+vLLM's own backends at the first token counts (``tables.CoserveTable``).
+
+On the tune's rotated layers converted to vLLM's Marlin layout (``marlin_layout.awq_to_marlin``,
+what vLLM's load step makes of them bit for bit), at each count of ``tokens``: each launch
+config of ``candidates`` that tiles K is checked against the float64 reference (a wrong one is
+dropped, said why) and timed; the fastest is the count's entry; then vLLM's backends on the same
+inputs, in the same process. Counts past the first where vLLM is as fast or faster are still
+measured (the table says where the kernel stops winning; the verdict keeps the window from 1).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Sequence
+
+from .. import tables
+
+# where decode batches live; past 16 tokens the kernel's per-row W13 reads stop paying
+COSERVE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+# w13 warps x w13 chunks x w2 warps (a trailing "s": the combine as a launch of its own)
+COSERVE_CANDIDATES = ("4x4x2", "4x2x1", "4x4x1", "4x2x2", "8x2x2", "2x4x2", "4x4x4", "4x2x1s")
+# the co-served kernel's output against the float64 reference, max |diff| / max |reference|: the
+# bounds the GPU tests hold the plugin's ops to (tests/test_cuda_ops.py)
+SCALED_DIFF_BOUND = {"fp16": 2e-3, "bf16": 16e-3}
+
+
+def parse_config(text: str):
+    from ..kernels.marlin_grouped import MarlinGroupedConfig
+
+    separate = text.endswith("s")
+    w13_warps, w13_chunks, w2_warps = (int(v) for v in text.rstrip("s").split("x"))
+    return MarlinGroupedConfig(w13_warps, w13_chunks, w2_warps, fused_combine=not separate)
+
+
+def config_fields(config) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(config)
+
+
+def launch_entries(best: Dict[int, dict]) -> tuple:
+    """{M: config fields} -> the launch table: one entry per run of equal configs, at its last M."""
+    counts = sorted(best)
+    return tuple({"M": m, "config": best[m]} for i, m in enumerate(counts)
+                 if i + 1 == len(counts) or best[counts[i + 1]] != best[m])
+
+
+def measure_coserve(measure, tokens: Sequence[int] = COSERVE_TOKENS, candidates: Sequence[str] = COSERVE_CANDIDATES,
+                    step: Callable[[str], None] = lambda what: None, log=print, generator: str = "") -> tables.CoserveTable:
+    """The co-serving table of ``measure``'s shape (a ``tune.Measurement``: its layers, inputs,
+    clock and vLLM timer); ``step`` is called once per count and once for vLLM's backends."""
+    import torch
+
+    from ..kernels import device_facts
+    from ..kernels.marlin_grouped import launch_marlin_grouped
+    from ..kernels.pdl import pdl_supported
+    from ..marlin_layout import awq_to_marlin
+    from ..ops import reference_moe
+
+    E, k, K, N, G = measure.spec.shape
+    configs = []
+    for text in candidates:
+        config = parse_config(text)
+        try:
+            config.splits(K)
+        except ValueError as error:
+            log(f"[coserve] {text}: {error}")
+            continue
+        configs.append((text, config))
+    if not configs:
+        raise ValueError(f"no co-serving candidate tiles K = {K}")
+    marlin = [awq_to_marlin(layer) for layer in measure.layers]
+    bound = SCALED_DIFF_BOUND[measure.spec.dtype]
+
+    use_pdl = pdl_supported(device_facts(measure.device).capability)
+
+    def run(config, i, ids, tws, xs):
+        w = marlin[i]
+        return launch_marlin_grouped(xs[i], tws[i], ids[i], *w.tensors(), N, G, w.scales_grouped, config,
+                                     use_pdl=use_pdl)
+
+    coserved_us: List[float] = []
+    best: Dict[int, dict] = {}
+    inputs = {}
+    for M in tokens:
+        ids, tws, xs = inputs[M] = measure.inputs(M)
+        want = reference_moe(xs[0], tws[0], ids[0], measure.layers[0]).to(torch.float64)
+        times = {}
+        for text, config in configs:
+            got = run(config, 0, ids, tws, xs).to(torch.float64).cpu()
+            diff = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+            if not diff <= bound:  # NaN too
+                log(f"[coserve] M={M} {text}: scaled error {diff:.3g} over {bound:g}, dropped")
+                continue
+            times[text] = measure.clock(lambda i, c=config: run(c, i, ids, tws, xs), measure.count(M), ("coserve", M, text))
+        if not times:
+            raise RuntimeError(f"co-serving at M={M}: every candidate missed the float64 reference")
+        fastest = min(times, key=times.get)
+        coserved_us.append(times[fastest])
+        best[M] = config_fields(dict(configs)[fastest])
+        step(f"co-served M={M}: {times[fastest]:.1f} us ({fastest})")
+    vllm_us: Dict[str, tuple] = {}
+    for backend, times in measure.vllm_timer(inputs).items():
+        if not isinstance(times, dict):
+            log(f"[coserve] vLLM's {backend}: {times}")
+            times = {}
+        vllm_us[backend] = tuple(times.get(M) for M in tokens)
+    step(f"vLLM's backends at {len(tokens)} counts")
+    return tables.CoserveTable(tokens=tuple(tokens), coserved_us=tuple(coserved_us), vllm_us=vllm_us,
+                               launch=launch_entries(best), generator=generator)
+
+
+def markdown(table: tables.MeasuredTable, verdict: tables.CoserveVerdict, vllm_backend: str) -> str:
+    c = table.coserve
+    backends = sorted(c.vllm_us)
+    lines = [f"## Co-serving where vLLM would pick {vllm_backend}", "",
+             f"{table.name} ({'x'.join(map(str, table.shape))}, {table.dtype}) on {table.gpu}: the plugin's kernel on "
+             "vLLM's Marlin tensors beside vLLM's backends (us per layer)", "",
+             "| M | co-served | " + " | ".join(backends) + " | vLLM's best / co-served | config |",
+             "| ---: | ---: | " + " | ".join("---:" for _ in backends) + " | ---: | --- |"]
+    entries = sorted(c.launch, key=lambda e: e["M"])
+    for i, m in enumerate(c.tokens):
+        best = c.vllm_best_us(i)
+        cfg = next((e for e in entries if m <= e["M"]), entries[-1])["config"] if entries else {}
+        label = "x".join(str(cfg.get(f, "?")) for f in ("w13_warps", "w13_chunks", "w2_warps"))
+        label += "" if cfg.get("fused_combine", True) else "s"
+        cells = " | ".join("-" if c.vllm_us[b][i] is None else f"{c.vllm_us[b][i]:.1f}" for b in backends)
+        ratio = "-" if best is None else f"{best / c.coserved_us[i]:.2f}x"
+        lines.append(f"| {m} | {c.coserved_us[i]:.1f} | {cells} | {ratio} | {label} |")
+    window = "none" if verdict.window is None else f"{verdict.window[0]}..{verdict.window[1]} tokens"
+    lines += ["", f"Window: {window}. {verdict.reason}.", "", f"Measured by `{c.generator}`." if c.generator else ""]
+    return "\n".join(lines).rstrip() + "\n"
+
