@@ -803,6 +803,13 @@ def run(args, spec: LayerSpec) -> int:
     ver = versions()
     print(f"[tune] {spec.name}: E={spec.shape[0]} k={spec.shape[1]} K={spec.shape[2]} N={spec.shape[3]} "
           f"G={spec.shape[4]} {spec.dtype} on {gpu} ({', '.join(f'{k} {v}' for k, v in ver.items())})", flush=True)
+    if args.coserve_only:
+        tables.use_cached_tables(ver)
+        table = tables.find_table(gpu, spec.shape, spec.dtype)
+        if table is None:
+            print(f"[tune] --coserve-only: no table of {spec.shape} {spec.dtype} on {gpu} to add co-serving to "
+                  "(run the tune without it)", file=sys.stderr)
+            return 2
     started = time.time()
     layers = rotation_layers(spec, device)
     print(f"[tune] {len(layers)} layers of distinct weights rotated per timing", flush=True)
@@ -821,12 +828,6 @@ def run(args, spec: LayerSpec) -> int:
     command = re.sub(r" --report-dir[ =]\S+", "", command)
     directory = tables.SHIPPED_DIR if args.ship else tables.cache_dir(ver)
     if args.coserve_only:
-        tables.use_cached_tables(ver)
-        table = tables.find_table(gpu, spec.shape, spec.dtype)
-        if table is None:
-            print(f"[tune] --coserve-only: no table of {spec.shape} {spec.dtype} on {gpu} to add co-serving to "
-                  "(run the tune without it)", file=sys.stderr)
-            return 2
         progress = Progress(len(args.coserve_tokens) + 1)
         coserve = measure_coserve(measure, args.coserve_tokens, step=progress.step, generator=command)
         table = dataclasses.replace(table, coserve=coserve)
