@@ -141,6 +141,11 @@ def verdict(table: MeasuredTable, max_tokens: int = LARGEST_STEP) -> Verdict:
                          f"(at least {closest[1]:.2f}x, at M={closest[0]}; {where})", closest)
 
 
+# the co-served kernel's least margin over vLLM's faster backend at a count of the window: it adds
+# a second kernel to a layer vLLM serves, worth it only for a gain clear of run-to-run noise
+COSERVE_MARGIN = 1.05
+
+
 @dataclass(frozen=True)
 class CoserveVerdict:
     window: Optional[Tuple[int, int]]  # (1, hi): the token counts the plugin's kernel serves; None: none
@@ -151,9 +156,10 @@ def coserve_verdict(table: MeasuredTable, vllm_backend: Optional[str], max_token
     """Whether a layer that :func:`verdict` leaves to vLLM can be co-served, and in which window.
 
     Co-serving forces vLLM's Marlin backend for the layer (its tensors are what the plugin's
-    kernel reads), so it needs: in the co-serving table, the kernel faster than every backend of
-    VLLM_BACKENDS at every measured M from 1 to the window's end (the window ends before the first
-    M where it is not, so an unmeasured M past it stays with Marlin); and, where vLLM would pick
+    kernel reads), so it needs: in the co-serving table, the kernel at least COSERVE_MARGIN times
+    faster than every backend of VLLM_BACKENDS at every measured M from 1 to the window's end (the
+    window ends before the first M where it is not, so an unmeasured M past it stays with
+    Marlin); and, where vLLM would pick
     another backend itself (``vllm_backend`` as its selection names it, "MARLIN" or "HUMMING"),
     Marlin no slower than that one in the route table at every measured M past the window up to
     the first at or above ``max_tokens``."""
@@ -167,12 +173,13 @@ def coserve_verdict(table: MeasuredTable, vllm_backend: Optional[str], max_token
     hi, least = None, None
     for i, m in enumerate(c.tokens):
         times = [c.vllm_us.get(b, (None,) * len(c.tokens))[i] for b in VLLM_BACKENDS]
-        if any(us is None for us in times) or c.coserved_us[i] >= min(times):
+        if any(us is None for us in times) or min(times) < COSERVE_MARGIN * c.coserved_us[i]:
             break
         ratio = min(times) / c.coserved_us[i]
         hi, least = m, ratio if least is None else min(least, ratio)
     if hi is None:
-        return CoserveVerdict(None, f"the co-served kernel is not faster than vLLM at 1 token ({where})")
+        return CoserveVerdict(None, f"the co-served kernel is not {COSERVE_MARGIN:.2f}x as fast as vLLM at 1 token "
+                                    f"({where})")
     if stock != "marlin":
         r = table.routes
         reach = next((i for i, m in enumerate(r.tokens) if m >= max_tokens), None)

@@ -59,6 +59,7 @@ def on_a_gpu(monkeypatch):
     from moe_grouped_decode.compile_plugin import quant_config, register
 
     register()
+    monkeypatch.setenv("MOE_GROUPED_DECODE_COSERVE", "1")
     platform = SimpleNamespace(device_type="cuda", get_device_capability=lambda: SimpleNamespace(major=9, minor=0),
                                get_device_name=lambda: GPU)
     monkeypatch.setattr(quant_config, "current_platform", platform)
@@ -102,6 +103,19 @@ def test_a_co_served_layer_gets_vllms_method_forced_onto_marlin(on_a_gpu):
     assert decision.choice.route == "coserved" and decision.vllm_backend == "MARLIN"
     assert "plugin at 1..4 tokens, Marlin above" in method.method_name
     assert method.scales_grouped  # G = 128 < N = 768: vLLM writes the grouped order
+
+
+def test_co_serving_is_off_unless_switched_on(on_a_gpu, monkeypatch):
+    for value in ("0", None):
+        if value is None:
+            monkeypatch.delenv("MOE_GROUPED_DECODE_COSERVE")
+        else:
+            monkeypatch.setenv("MOE_GROUPED_DECODE_COSERVE", value)
+        method, decision = choose_for(on_a_gpu, fake_layer(), f"model.layers.off{value}.mlp.experts")
+        assert method is on_a_gpu.vllm_method and decision.choice.route == "vllm" and not on_a_gpu.asked
+    monkeypatch.setenv("MOE_GROUPED_DECODE_COSERVE", "maybe")
+    with pytest.raises(ValueError, match="MOE_GROUPED_DECODE_COSERVE"):
+        choose_for(on_a_gpu, fake_layer(), "model.layers.bad.mlp.experts")
 
 
 def test_a_users_moe_backend_is_kept_and_the_layer_is_then_not_co_served(on_a_gpu):

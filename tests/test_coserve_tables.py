@@ -46,6 +46,13 @@ def test_the_window_runs_from_one_token_to_the_last_count_before_the_first_loss(
     assert "at 1..4 tokens (at least 1.20x)" in v.reason
 
 
+def test_a_gain_inside_the_margin_ends_the_window():
+    assert tables.COSERVE_MARGIN == 1.05
+    assert tables.coserve_verdict(table(coserve((1.5, 1.06, 1.04, 2.0, 2.0, 2.0))), "MARLIN").window == (1, 2)
+    v = tables.coserve_verdict(table(coserve((1.03,) + (2.0,) * 5)), "MARLIN")
+    assert v.window is None and "not 1.05x as fast as vLLM at 1 token" in v.reason
+
+
 def test_no_window_where_the_kernel_loses_at_one_token_or_nothing_was_measured():
     assert tables.coserve_verdict(table(coserve((0.9, 2.0, 2.0, 2.0, 2.0, 2.0))), "MARLIN").window is None
     assert tables.coserve_verdict(table(None), "MARLIN").window is None
@@ -149,8 +156,11 @@ def test_the_supported_models_row_says_where_a_shape_is_co_served():
     from moe_grouped_decode.benchmarking import supported
 
     row = supported.row("a model", table(coserve((2.0, 1.8, 1.5, 0.9, 1.2, 1.2))))
-    assert "**co-served at 1..3 tokens**, vLLM's Marlin above" in row and "1.50-2.00x at 1..3" in row
+    assert "with `MOE_GROUPED_DECODE_COSERVE=1` **co-served at 1..3 tokens**, vLLM's Marlin above" in row
+    assert row.count("no: stays with vLLM") == 1 and "1.50-2.00x at 1..3" in row
     assert "whole: vLLM is as fast or faster at M=8" in row
     humming_faster = table(coserve((2.0,) * 6), marlin_over_humming=(0.5, 0.5, 0.5, 1.2, 0.5, 0.5))
     assert "(not where vLLM picks Humming)" in supported.row("a model", humming_faster)
-    assert "no: stays with vLLM" in supported.row("a model", table(coserve((0.5,) * 6)))
+    assert "co-served" not in supported.row("a model", table(coserve((0.5,) * 6)))
+    one = supported.row("a model", table(coserve((1.5, 1.0, 2.0, 2.0, 2.0, 2.0))))
+    assert "**co-served at 1 token**" in one and "1.50x at 1 |" in one

