@@ -24,7 +24,9 @@ shape without a contract takes the plugin's prefill route at every M, and a
 contract written by hand in ``MOE_GROUPED_DECODE_CONTRACTS``, which the arms
 inherit, gives it a grouped window), and the optional arm ``dispatch`` with
 ``MOE_GROUPED_DECODE_DIRECT_LAUNCH=0`` (as ``on``, every launch through Triton's
-dispatch: the direct launches' share of the host time). Each arm is a fresh Python process; it
+dispatch: the direct launches' share of the host time), and the optional arm ``coserve`` with
+``MOE_GROUPED_DECODE_COSERVE=1`` (a declined layer stays on vLLM's Marlin, the plugin's kernel on
+its tensors at its table's co-serving window). Each arm is a fresh Python process; it
 measures, in this order (``--phases`` picks some of decode, ttft, agreement, teacher_forced,
 profile: 2 to 6 below):
 
@@ -81,6 +83,9 @@ once the on and off arm files are there). One command per model; each also with
     # Qwen3-Next-80B-A3B's MoE at TP1 (in a Qwen3-MoE body: no shared expert, no linear attention)
     python benchmarks/e2e_vllm.py --shape 512,10,2048,512,128 --name qwen3-next-tp1 --heads 16 --kv-heads 2 \
         --head-dim 256 --arms on,off,force --out /tmp/e2e-qwen3-next
+    # ... co-served where its table gives a window (H100: 1..2 tokens), against vLLM alone
+    python benchmarks/e2e_vllm.py --shape 512,10,2048,512,128 --name qwen3-next-tp1 --heads 16 --kv-heads 2 \
+        --head-dim 256 --arms on,off,coserve --out /tmp/e2e-qwen3-next-coserve
     # Qwen3-235B-A22B at TP4, one rank (K=4096)
     python benchmarks/e2e_vllm.py --shape 128,8,4096,384,128 --name qwen3-235b-tp4 --heads 16 --kv-heads 1 \
         --arms on,off,force --out /tmp/e2e-qwen3-235b
@@ -121,13 +126,14 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 PROGRESS = "e2e"  # prefix of the lines the parent echoes from an arm's output
 # each arm's plugin switches; "on" and "off" make the report, "force" (the plugin even where it is
-# not admitted, unmeasured) and "dispatch" (no direct launches) are compared with "off" when their
-# arm files are there
+# not admitted, unmeasured), "dispatch" (no direct launches) and "coserve" (declined layers
+# co-served on vLLM's Marlin tensors) are compared with "off" when their arm files are there
 ARMS = {
     "on": {"MOE_GROUPED_DECODE": "1"},
     "off": {"MOE_GROUPED_DECODE": "0"},
     "force": {"MOE_GROUPED_DECODE": "1", "MOE_GROUPED_DECODE_FORCE": "1"},
     "dispatch": {"MOE_GROUPED_DECODE": "1", "MOE_GROUPED_DECODE_DIRECT_LAUNCH": "0"},
+    "coserve": {"MOE_GROUPED_DECODE": "1", "MOE_GROUPED_DECODE_COSERVE": "1"},
 }
 # the optional arms, each compared with "off" where its file is there: (heading, what it measures)
 EXTRA_ARMS = {
@@ -136,6 +142,9 @@ EXTRA_ARMS = {
     "dispatch": ("Triton's dispatch (MOE_GROUPED_DECODE_DIRECT_LAUNCH=0) vs off",
                  "The plugin as in 'on', but every kernel launch through Triton's dispatch rather than "
                  "straight to its compiled kernel: beside 'on', the launcher's share of the host time."),
+    "coserve": ("Co-served (MOE_GROUPED_DECODE_COSERVE=1) vs off",
+                "Layers the plugin declines stay with vLLM on its Marlin backend, and the plugin's kernel "
+                "reads the same tensors at the token counts of their table's co-serving window."),
 }
 REPORT_ARMS = ("on", "off")
 PHASES = ("decode", "ttft", "agreement", "teacher_forced", "profile")  # what an arm measures, in this order
@@ -1424,7 +1433,7 @@ def plot(report: dict, path: Path) -> Optional[str]:
     if report["decode"]:
         cs = [cell["concurrency"] for cell in report["decode"]]
         series = [("on", "tab:blue", report["decode"]), ("off", "tab:orange", report["decode"])]
-        for extra, color in (("force", "tab:green"), ("dispatch", "tab:purple")):
+        for extra, color in (("force", "tab:green"), ("dispatch", "tab:purple"), ("coserve", "tab:red")):
             if report.get(extra) and report[extra]["decode"]:
                 series.append((extra, color, report[extra]["decode"]))
         for arm, color, cells in series:

@@ -763,3 +763,25 @@ def test_an_arm_dying_while_handed_the_turn_is_skipped(e2e, tmp_path):
     assert e2e.Turns.state(tmp_path) == ("on", 1)  # round's first alive (reversed: dispatch, off, on)
     e2e.Turns.leave(tmp_path, "on", order)  # the last one alive leaves: nobody is handed the turn
     assert e2e.Turns.state(tmp_path) == ("on", 1)
+
+
+
+def test_report_with_a_coserve_arm(e2e, tmp_path):
+    """The co-serving arm is compared with off in its own section, and its startup line says who
+    served the layers."""
+    arms = {"on": _arm("on", {1: 400.0}, {1: 2.4}, {512: 20.0}), "off": _arm("off", {1: 400.0}, {1: 2.4}, {512: 20.0}),
+            "coserve": _arm("coserve", {1: 440.0}, {1: 2.2}, {512: 20.0})}
+    for name, arm in arms.items():
+        (tmp_path / f"arm-{name}.json").write_text(json.dumps(arm))
+    line = ("moe_grouped_decode: 16 co-served: the plugin's kernel on vLLM's Marlin tensors at 1..2 tokens (at least "
+            "1.16x), vLLM's Marlin above (NVIDIA H100 80GB HBM3, 512x10x2048x512x128 fp16): model.layers.0.mlp.experts "
+            "... model.layers.15.mlp.experts")
+    (tmp_path / "arm-coserve.log").write_text(f"(EngineCore pid=7) INFO 12-07 10:00:32.000 [startup.py:1] {line}\n")
+    meta = {"command": "e2e_vllm.py --arms on,off,coserve", "name": "qwen3-next-tp1", "shape": [512, 10, 2048, 512, 128],
+            "architecture": "qwen3_moe", "dtype": "float16", "model": "m", "decode_prompt": 128, "decode_tokens": 128,
+            "repeats": 3, "profile_tokens": 24, "kernel_table_concurrency": 1}
+    report = e2e.build_report(tmp_path, meta)
+    assert report["coserve"]["decode"][0]["coserve_over_off"] == 1.1
+    assert report["moe_backends"]["coserve"] == [
+        "co-served: the plugin's kernel at 1..2 tokens, vLLM's Marlin above (16 layer(s))"]
+    assert "## Co-served (MOE_GROUPED_DECODE_COSERVE=1) vs off" in e2e.markdown(report)
