@@ -62,6 +62,7 @@ def test_the_fake_kernel_gives_the_output_shape_without_computing():
     (lambda a: (a[0], a[1][:1], a[2][:1]) + a[3:], "rows of ids"),
     (lambda a: (a[0], a[1], a[2].to(torch.int16)) + a[3:], "int32 or int64"),
     (lambda a: (a[0][:, :64],) + a[1:], "hidden size 64"),
+    (lambda a: (a[0], a[1].double()) + a[2:], "topk_weights must be float32 or torch.float16"),
 ])
 def test_bad_arguments_are_errors_that_say_what(change, message):
     _, marlin, x, weights, ids = layer_and_inputs(4, 2, 128, 96, 32, 3, torch.float16)

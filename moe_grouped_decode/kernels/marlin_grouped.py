@@ -245,7 +245,18 @@ def coserved_config(gpu: str, shape, dtype: str, num_tokens: int) -> MarlinGroup
     """The launch config the co-served kernel runs at M = ``num_tokens`` for ``shape`` (E, k, K, N, G)
     and ``dtype`` ("fp16"/"bf16") on ``gpu``: the measured table's entry (an entry serves every M
     up to its own, the last every M above), else the default; one that cannot tile K falls back to
-    the default."""
+    the default. Asked at every eager call: kept per table generation."""
+    key = (gpu, tuple(shape), dtype, num_tokens, tables.generation())
+    config = _CONFIGS.get(key)
+    if config is None:
+        config = _CONFIGS[key] = _coserved_config(gpu, tuple(shape), dtype, num_tokens)
+    return config
+
+
+_CONFIGS: dict = {}
+
+
+def _coserved_config(gpu: str, shape, dtype: str, num_tokens: int) -> MarlinGroupedConfig:
     table = tables.config_table(gpu, tuple(shape), dtype)
     entries = sorted(table.coserve.launch, key=lambda e: e["M"]) if table is not None and table.coserve else []
     config = MarlinGroupedConfig()

@@ -38,6 +38,9 @@ def check_marlin_args(hidden_states, topk_weights, topk_ids, w13_qweight, w2_qwe
                          f"{MARLIN_ACTIVATION_DTYPES}, got {hidden_states.dtype} and {w13_scales.dtype}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"awq_marlin_grouped_decode: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_weights.dtype not in (torch.float32, hidden_states.dtype):
+        raise ValueError(f"awq_marlin_grouped_decode: topk_weights must be float32 or {hidden_states.dtype}, got "
+                         f"{topk_weights.dtype}")
     if w13_qweight.shape[1] * 16 != hidden_states.shape[1] or w2_qweight.shape[0] != w13_qweight.shape[0]:
         raise ValueError(f"awq_marlin_grouped_decode: Marlin weights {tuple(w13_qweight.shape)}, "
                          f"{tuple(w2_qweight.shape)} are not a layer of hidden size {hidden_states.shape[1]}")
