@@ -406,7 +406,10 @@ def choose_method(shape: LayerShape, device: str, *, plugin_on: bool, force: boo
     if vllm_backend is None:
         return LayerChoice(True, admission, "vLLM has no backend for it here")
     table = _table_for(device, shape)
-    if coserve and table is not None:
+    from .env import batch_invariant
+
+    # batch-invariant mode gives a token the same bits at every M: one kernel, not two
+    if coserve and table is not None and not batch_invariant():
         shared = tables.coserve_verdict(table, vllm_backend, max_tokens)
         if shared.window is not None:
             return LayerChoice(False, Admission(None, shared.reason), shared.reason, coserve_window=shared.window)

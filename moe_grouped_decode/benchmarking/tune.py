@@ -901,7 +901,8 @@ def main(argv=None) -> int:
                         help="token counts of the co-serving table, comma separated ('' for none; default "
                              f"{','.join(map(str, COSERVE_TOKENS))})")
     parser.add_argument("--coserve-only", action="store_true", help="measure the co-serving table alone and "
-                        "write it into the shape's existing table (shipped, or the cache's)")
+                        "write the shape's existing table (shipped, or the cache's) with it, to the cache, or with "
+                        "--ship to the package's tables/")
     parser.add_argument("--ship", action="store_true", help="write to the package's tables/ (the project's own runs)")
     parser.add_argument("--report-dir", default="artifacts/tune", help="JSON, Markdown and plot")
     args = parser.parse_args(argv)

@@ -8,8 +8,8 @@ token count lies in the window, which ``apply`` sends to the plugin's op on the 
 (``ops.awq_marlin_grouped_decode``).
 
 MARLIN is forced through vLLM's own explicit path, the layer's ``moe_config.moe_backend``, so
-vLLM's checks run unchanged and refuse what Marlin cannot serve (a user's ``--moe-backend``
-is respected: the layer is then not co-served). ``apply`` is reached the same way in vLLM 0.26,
+vLLM's checks run unchanged and refuse what Marlin cannot serve (a user's ``--moe-backend`` is
+respected: with another backend than Marlin the layer is not co-served). ``apply`` is reached the same way in vLLM 0.26,
 0.32 and 0.34 (from ``RoutedExperts.forward_modular``; on CUDA inside the opaque
 ``vllm::moe_forward``, so eagerly, with the token count a host int), and bypassing vLLM's
 modular kernel skips its prepare/finalize and any shared experts it would overlap, so both are
@@ -42,6 +42,19 @@ class CoserveRefused(ValueError):
     """vLLM would not build its Marlin backend for the layer (the layer stays with vLLM's choice)."""
 
 
+def refusal_before_loading(moe: FusedMoEConfig, shape: LayerShape) -> Optional[str]:
+    """Why a layer must not be co-served, from what is known before vLLM loads it; or None."""
+    parallel = getattr(moe, "moe_parallel_config", None)
+    if parallel is not None and (int(getattr(parallel, "dp_size", 1) or 1) > 1
+                                 or bool(getattr(parallel, "use_all2all_kernels", False))):
+        return "data parallelism or all-to-all dispatch (vLLM's kernel moves tokens around the experts)"
+    if shape.intermediate_size == shape.group_size:
+        return "N == G, where vLLM's Marlin reads the scales in another order than it writes them"
+    if os.environ.get(MARLIN_INPUT_DTYPE_ENV):
+        return f"{MARLIN_INPUT_DTYPE_ENV} is set (Marlin on 8-bit activations)"
+    return None
+
+
 def no_dp_ep_prepare_finalize(moe_kernel) -> bool:
     """Whether vLLM's modular kernel does nothing around the experts (no data-parallel gather, no
     expert-parallel all-to-all), so a call that bypasses it computes the same layer."""
@@ -57,6 +70,10 @@ class AwqMarlinCoServedMethod(AutoAWQMoEMethod):
 
     def __init__(self, quant_config: AutoAWQConfig, moe: FusedMoEConfig, shape: LayerShape,
                  window: Tuple[int, int]):
+        # what refuses co-serving before vLLM repacks for Marlin: the layer then keeps vLLM's own pick
+        why = refusal_before_loading(moe, shape)
+        if why is not None:
+            raise CoserveRefused(why)
         forced = moe.moe_backend == "auto"
         if forced:
             moe.moe_backend = "marlin"
@@ -80,15 +97,12 @@ class AwqMarlinCoServedMethod(AutoAWQMoEMethod):
         return f"{type(self).__name__}(plugin at {self.window[0]}..{self.window[1]} tokens, Marlin above)"
 
     def refusal(self, layer) -> Optional[str]:
-        """Why the plugin's op must not serve this loaded layer, or None."""
+        """Why the plugin's op must not serve this loaded layer, or None (what could be known before
+        loading was asked then: ``refusal_before_loading``)."""
         if not no_dp_ep_prepare_finalize(self.moe_kernel):
-            return "vLLM's kernel gathers or dispatches tokens around the experts (data or expert parallelism)"
+            return "vLLM's kernel gathers or dispatches tokens around the experts (data parallelism or all-to-all)"
         if getattr(self, "mk_can_overlap_shared_experts", False):
             return "vLLM's kernel runs the shared experts inside it"
-        if self.shape.intermediate_size == self.shape.group_size:
-            return "N == G, where vLLM's Marlin reads the scales in another order than it writes them"
-        if os.environ.get(MARLIN_INPUT_DTYPE_ENV):
-            return f"{MARLIN_INPUT_DTYPE_ENV} is set (Marlin on 8-bit activations)"
         if layer.w13_qweight.device.type != "cuda":
             return "the weights are not on a CUDA device"
         if layer.w13_scales.dtype != self.shape.dtype:
@@ -96,18 +110,22 @@ class AwqMarlinCoServedMethod(AutoAWQMoEMethod):
         return None
 
     def process_weights_after_loading(self, layer) -> None:
-        from .startup import layer_loaded, warm_up_coserved
+        from .startup import layer_loaded, refuse_coserving, warm_up_coserved
 
         super().process_weights_after_loading(layer)  # vLLM's repack and its Marlin kernel, untouched
-        check_expert_map(layer, self.moe)
-        why = self.refusal(layer)
+        name = getattr(layer, "layer_name", "an MoE layer")
+        try:
+            check_expert_map(layer, self.moe)
+            why = self.refusal(layer)
+            if why is None:
+                warm_up_coserved(layer, self)
+        except Exception as error:  # vLLM's Marlin serves the layer whatever the plugin's kernels do
+            why = f"{type(error).__name__}: {error}"
         if why is not None:
-            logger.warning("moe_grouped_decode: %s stays on vLLM's Marlin at every token count: %s",
-                           getattr(layer, "layer_name", "an MoE layer"), why)
+            logger.warning("moe_grouped_decode: %s stays on vLLM's Marlin at every token count: %s", name, why)
             self.window = None
-        else:
-            warm_up_coserved(layer, self)
-        layer_loaded(layer.layer_name)
+            refuse_coserving(name, self.shape, why)
+        layer_loaded(name)
 
     def serves(self, x: torch.Tensor) -> bool:
         """Whether the plugin's op takes this call: a plain CUDA tensor (not under a tracer) whose

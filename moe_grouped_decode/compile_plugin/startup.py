@@ -217,6 +217,13 @@ def warm_up_kernels(layer, method) -> None:
                 workspace=method.workspace)
 
 
+def refuse_coserving(layer_name: str, shape: LayerShape, why: str) -> None:
+    """A co-served layer refused at load: it runs vLLM's Marlin at every token count, and its
+    recorded decision (the summary, the e2e reports) says so."""
+    reason = f"not co-served: {why}"
+    record_layer(layer_name, LayerDecision(shape, LayerChoice(False, Admission(None, reason), reason), "MARLIN"))
+
+
 def warm_up_coserved(layer, method) -> None:
     """Compile the co-served kernels (one launch per token count of the window: each count's launch
     config is the table's) on the layer's own tensors, before graph capture; once per layer shape
