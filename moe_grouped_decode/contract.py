@@ -405,9 +405,9 @@ def choose_method(shape: LayerShape, device: str, *, plugin_on: bool, force: boo
         return LayerChoice(True, admission, measured.reason)
     if vllm_backend is None:
         return LayerChoice(True, admission, "vLLM has no backend for it here")
-    table = _table_for(device, shape)
     from .env import batch_invariant
 
+    table = _table_for(device, shape)
     # batch-invariant mode gives a token the same bits at every M: one kernel, not two
     if coserve and table is not None and not batch_invariant():
         shared = tables.coserve_verdict(table, vllm_backend, max_tokens)

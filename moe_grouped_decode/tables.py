@@ -159,10 +159,9 @@ def coserve_verdict(table: MeasuredTable, vllm_backend: Optional[str], max_token
     kernel reads), so it needs: in the co-serving table, the kernel at least COSERVE_MARGIN times
     faster than every backend of VLLM_BACKENDS at every measured M from 1 to the window's end (the
     window ends before the first M where it is not, so an unmeasured M past it stays with
-    Marlin); and, where vLLM would pick
-    another backend itself (``vllm_backend`` as its selection names it, "MARLIN" or "HUMMING"),
-    Marlin no slower than that one in the route table at every measured M past the window up to
-    the first at or above ``max_tokens``."""
+    Marlin); and, where vLLM would pick another backend itself (``vllm_backend`` as its selection
+    names it, "MARLIN" or "HUMMING"), Marlin no slower than that one in the route table at every
+    measured M past the window up to the first at or above ``max_tokens``."""
     c = table.coserve
     where = f"{table.gpu}, {'x'.join(map(str, table.shape))} {table.dtype}"
     stock = (vllm_backend or "").lower()
