@@ -138,8 +138,9 @@ def check_coserve_measurement() -> None:
         for i in range(calls):
             step(i)
         clocked.append(key)
-        # 2x4x2 the faster at one and two tokens, 4x2x1 at three
-        return {("2x4x2", 3): 7.0, ("4x2x1", 3): 6.0}.get((key[2], key[1]), {"4x2x1": 5.0, "2x4x2": 4.0}[key[2]])
+        # 2x4x2 the faster at one and two tokens, 4x2x1 at three; the winner's second timing 10% slower
+        us = {("2x4x2", 3): 7.0, ("4x2x1", 3): 6.0}.get((key[2], key[1]), {"4x2x1": 5.0, "2x4x2": 4.0}[key[2]])
+        return us * 1.1 if key[-1] == "again" else us
 
     def vllm_timer(inputs):
         return {"marlin": {M: 9.0 for M in inputs}, "humming": "not installed here"}
@@ -150,15 +151,20 @@ def check_coserve_measurement() -> None:
                             generator="interpret")
     if not any("4x4x2" in line and "does not tile K = 256" in line for line in logged):
         fail(f"a candidate that cannot tile K was not said: {logged}")
-    if sorted({key[2] for key in clocked}) != ["2x4x2", "4x2x1"] or len(clocked) != 6:
+    again = [key for key in clocked if key[-1] == "again"]
+    if sorted({key[2] for key in clocked}) != ["2x4x2", "4x2x1"] or len(clocked) != 9 or [
+            (key[1], key[2]) for key in again] != [(1, "2x4x2"), (2, "2x4x2"), (3, "4x2x1")]:
         fail(f"timed {clocked}")
     launch = [(e["M"], e["config"]["w13_warps"], e["config"]["w13_chunks"]) for e in table.launch]
-    if table.coserved_us != (4.0, 4.0, 6.0) or launch != [(2, 2, 4), (3, 4, 2)]:
+    # the table holds the winners' second timings, not the first ones the choice was made on
+    if (len(table.coserved_us) != 3 or any(abs(a - b) > 1e-9 for a, b in zip(table.coserved_us, (4.4, 4.4, 6.6)))
+            or launch != [(2, 2, 4), (3, 4, 2)]):
         fail(f"co-serving table {table}")
     if table.vllm_us != {"marlin": (9.0, 9.0, 9.0), "humming": (None, None, None)} or not any(
             "humming: not installed here" in line for line in logged):
         fail(f"vLLM's times {table.vllm_us}, log {logged}")
-    print("ok   co-serving measurement: candidates checked and timed, the fastest per M, its launch table", flush=True)
+    print("ok   co-serving measurement: candidates checked and timed, the fastest per M timed again, its launch "
+          "table", flush=True)
 
 
 if __name__ == "__main__":
