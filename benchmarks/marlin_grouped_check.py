@@ -31,7 +31,8 @@ from moe_grouped_decode.benchmarking.bench import random_layer_inputs
 from moe_grouped_decode.benchmarking.replay import graph_replay_us
 from moe_grouped_decode.benchmarking.vllm_moe import (MarlinRunner, MoeShape, awq_tensors, load_ops, make_locks,
                                                       prepare_marlin_layer)
-from moe_grouped_decode.kernels.marlin_grouped import MarlinGroupedConfig, launch_marlin_grouped
+from moe_grouped_decode.benchmarking.coserve import parse_config
+from moe_grouped_decode.kernels.marlin_grouped import launch_marlin_grouped
 from moe_grouped_decode.marlin_layout import awq_to_marlin, vllm_scales_grouped
 from moe_grouped_decode.ops import alloc_workspace, error_stats, reference_moe
 
@@ -44,12 +45,6 @@ SHAPES = {
 # w13 warps x w13 chunks x w2 warps; a trailing "s": the combine as a launch of its own (else fused into W2)
 CONFIGS = "4x2x1,4x4x1,4x2x2,8x2x2,2x4x2,4x4x4,4x2x1s"
 COLD_BYTES = 256e6  # one token's experts over the rotated layers: L2 cold
-
-
-def parse_config(text: str) -> MarlinGroupedConfig:
-    separate = text.endswith("s")
-    w13_warps, w13_chunks, w2_warps = (int(v) for v in text.rstrip("s").split("x"))
-    return MarlinGroupedConfig(w13_warps, w13_chunks, w2_warps, fused_combine=not separate)
 
 
 def run_shape(name: str, spec: str, tokens, configs, dtype, max_layers: int = 64) -> dict:

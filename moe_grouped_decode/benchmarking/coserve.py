@@ -11,6 +11,7 @@ measured (the table says where the kernel stops winning; the verdict keeps the w
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, List, Sequence
 
 from .. import tables
@@ -30,12 +31,6 @@ def parse_config(text: str):
     separate = text.endswith("s")
     w13_warps, w13_chunks, w2_warps = (int(v) for v in text.rstrip("s").split("x"))
     return MarlinGroupedConfig(w13_warps, w13_chunks, w2_warps, fused_combine=not separate)
-
-
-def config_fields(config) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(config)
 
 
 def launch_entries(best: Dict[int, dict]) -> tuple:
@@ -100,7 +95,7 @@ def measure_coserve(measure, tokens: Sequence[int] = COSERVE_TOKENS, candidates:
         again = measure.clock(lambda i, c=dict(configs)[fastest]: run(c, i, ids, tws, xs), measure.count(M),
                               ("coserve", M, fastest, "again"))
         coserved_us.append(again)
-        best[M] = config_fields(dict(configs)[fastest])
+        best[M] = dataclasses.asdict(dict(configs)[fastest])
         step(f"co-served M={M}: {again:.1f} us ({fastest})")
     vllm_us: Dict[str, tuple] = {}
     for backend, times in measure.vllm_timer(inputs).items():
