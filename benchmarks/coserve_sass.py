@@ -21,7 +21,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from moe_grouped_decode.kernels import config as kernel_config  # noqa: E402
 from moe_grouped_decode.kernels import plan as launch_plan  # noqa: E402
-from moe_grouped_decode.kernels.marlin_grouped import MarlinGroupedConfig, marlin_w13_kernel, marlin_w2_kernel  # noqa: E402
+from moe_grouped_decode.benchmarking.coserve import parse_config  # noqa: E402
+from moe_grouped_decode.kernels.marlin_grouped import marlin_w13_kernel, marlin_w2_kernel  # noqa: E402
 from moe_grouped_decode.marlin_layout import marlin_padded_intermediate, vllm_scales_grouped  # noqa: E402
 
 
@@ -30,7 +31,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="512,10,2048,512,128")
     parser.add_argument("--gpu", default="NVIDIA H100 80GB HBM3", help="whose launch table gives the AutoAWQ config")
     parser.add_argument("--tokens", type=int, default=1)
-    parser.add_argument("--marlin-configs", default="2x4x2,4x4x2", help="w13 warps x chunks x w2 warps")
+    parser.add_argument("--marlin-configs", default="2x4x2,4x4x2", help="as the tune's co-serving candidates (benchmarking/coserve.py)")
     args = parser.parse_args(argv)
     E, k, K, N, G = (int(v) for v in args.shape.split(","))
     M, dtype = args.tokens, "fp16"
@@ -46,9 +47,9 @@ def main(argv=None) -> int:
                                  sass_stats.compile_launch(launch, dtype, ints), weights)
     N_p = marlin_padded_intermediate(N, G)
     for text in args.marlin_configs.split(","):
-        w13_warps, chunks, w2_warps = (int(v) for v in text.split("x"))
-        config = MarlinGroupedConfig(w13_warps, chunks, w2_warps)
-        splits = config.splits(K)
+        config = parse_config(text)
+        w13_warps, chunks, w2_warps, row_warps = config.w13_warps, config.w13_chunks, config.w2_warps, config.w2_row_warps
+        splits = config.splits(K, N)
         shape = dict(K=K, N=N, N_P=N_p, G=G, SCALES_GROUPED=vllm_scales_grouped(G, N), IS_BF16=False, USE_PDL=True)
         w13 = sass_stats.compile_kernel(
             marlin_w13_kernel, dict(shape, WARPS=w13_warps, TOP_K=k, CHUNKS=chunks, SPLITS=splits, ARRIVALS_PAD=64),
@@ -57,11 +58,11 @@ def main(argv=None) -> int:
         sass_stats.stats(f"Marlin w13 {text} ({w13_warps} warps)", w13, 64 * (K // splits))
         w2 = sass_stats.compile_kernel(
             marlin_w2_kernel, dict(shape, WARPS=w2_warps, SPLITS=splits, N_PAD=1 << (N - 1).bit_length(), TOP_K=k,
-                                   FUSED_COMBINE=True),
+                                   FUSED_COMBINE=True, ROW_WARPS=row_warps),
             dict(ids_ptr="*i32", partials_ptr="*fp32", qweight_ptr="*i32", scales_ptr="*fp16", qzeros_ptr="*i32",
                  act_ptr="*fp16", row_out_ptr="*fp32", out_ptr="*fp16", topk_weights_ptr="*fp32", arrivals_ptr="*i32"),
-            w2_warps, dict(stride_om=K))
-        sass_stats.stats(f"Marlin w2 {text} ({w2_warps} warps)", w2, N * 64 * w2_warps)
+            w2_warps * row_warps, dict(stride_om=K))
+        sass_stats.stats(f"Marlin w2 {text} ({w2_warps * row_warps} warps)", w2, N * 64 * w2_warps)
     return 0
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import triton
 
+from moe_grouped_decode.benchmarking.coserve import parse_config
 from moe_grouped_decode.benchmarking.replay import graph_replay_us
 from moe_grouped_decode.benchmarking.tune import LayerSpec, Measurement, rotation_layers
 from moe_grouped_decode.kernels import device_facts
@@ -40,7 +41,7 @@ def marlin_w13_only(x, ids, marlin, N, G, config, partials, use_pdl):
     M, K = x.shape
     R = M * ids.shape[1]
     tiles = 2 * triton.cdiv(N, MARLIN_TILE_COLUMNS.value)
-    splits = config.splits(K)
+    splits = config.splits(K, N)
     arrivals = partials.new_empty(1, dtype=torch.int32)
     marlin_w13_kernel[(R * splits * tiles,)](
         x, x.stride(0), ids, marlin.num_experts, marlin.w13_qweight, marlin.w13_scales, marlin.w13_qzeros, partials, R,
@@ -55,6 +56,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
     parser.add_argument("--tokens", default="1,2,4,8")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--marlin-configs", default="",
+                        help="more co-served launch configs to time whole, as the tune's candidates "
+                             "(e.g. 2x4x2r4; benchmarking/coserve.py)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -79,7 +83,7 @@ def main(argv=None) -> int:
         w13_plan = dataclasses.replace(plan, launches=tuple(l for l in plan.launches if l.stage == "w13"))
         views = workspace_views(workspace, plan.rows, K, N)
         config = coserved_config(facts.name, shape, args.dtype, M)
-        partials = torch.empty(config.splits(K), M * k, 2 * N, dtype=torch.float32, device=device)
+        partials = torch.empty(config.splits(K, N), M * k, 2 * N, dtype=torch.float32, device=device)
         clocks = {
             "awq": lambda i: plans.launch_plan(plan, xs[i], tws[i], ids[i], layers[i], views, out),
             "awq_w13": lambda i: plans.launch_plan(w13_plan, xs[i], tws[i], ids[i], layers[i], views, out),
@@ -88,6 +92,15 @@ def main(argv=None) -> int:
             "marlin_w13": lambda i: marlin_w13_only(xs[i], ids[i], marlin[i], N, G, config, partials, use_pdl),
         }
         row = {"M": M, "awq_launches": [l.name for l in plan.launches], "marlin_config": dataclasses.asdict(config)}
+        for text in filter(None, args.marlin_configs.split(",")):
+            extra = parse_config(text)
+            try:
+                extra.splits(K, N)
+            except ValueError as error:
+                print(f"{text}: {error}", file=sys.stderr)
+                continue
+            clocks[f"marlin_{text}"] = lambda i, c=extra: launch_marlin_grouped(
+                xs[i], tws[i], ids[i], *marlin[i].tensors(), N, G, marlin[i].scales_grouped, c, use_pdl, out)
         for name, step in clocks.items():
             row[f"{name}_us"] = round(graph_replay_us(step, count, args.reps), 2)
         print(json.dumps(row), flush=True)

@@ -94,7 +94,7 @@ def run_shape(name: str, spec: str, tokens, configs, dtype, max_layers: int = 64
         for text in configs:
             config = parse_config(text)
             try:
-                config.splits(K)
+                config.splits(K, N)
             except ValueError:
                 continue
             out = torch.full((M, K), float("nan"), dtype=dtype, device=dev)

@@ -252,9 +252,12 @@ def _coserve_from_json(c: dict) -> CoserveTable:
                                                          for times in table.vllm_us.values() for us in times):
         raise ValueError("coserve times must be positive")
     fields = {"w13_warps", "w13_chunks", "w2_warps", "fused_combine"}  # kernels/marlin_grouped.py's config
+    optional = {"w2_row_warps"}
     if any(not isinstance(e, dict) or not isinstance(e.get("M"), int) or e["M"] < 1
-           or not isinstance(e.get("config"), dict) or set(e["config"]) != fields for e in table.launch):
-        raise ValueError(f"coserve.launch entries must be {{\"M\": int >= 1, \"config\": {{{', '.join(sorted(fields))}}}}}")
+           or not isinstance(e.get("config"), dict) or not fields <= set(e["config"]) <= fields | optional
+           for e in table.launch):
+        raise ValueError(f"coserve.launch entries must be {{\"M\": int >= 1, \"config\": {{{', '.join(sorted(fields))}"
+                         f"[, {', '.join(sorted(optional))}]}}}}")
     return table
 
 

@@ -6,7 +6,7 @@ to vLLM's load step, tests/test_marlin_layout.py) and checks the kernels' output
 reference of the AutoAWQ layer. The cases cover: N padded to N_p (gate and up each: N = 96 and 160
 at G = 32, the only padding vLLM makes, since N is a multiple of G), N == G (vLLM's channelwise
 scale order; at G = 32 with padding too), G = 32 / 64 / 128, a W2 past
-awq_mma.UNROLLED_CHUNKS (its chunk loop), several warps in both kernels, an id outside [0, E),
+awq_mma.UNROLLED_CHUNKS (its chunk loop), several warps in both kernels, W2's row warps, an id outside [0, E),
 fp16 and bf16, the combine fused into W2 and as its own launch. Then the co-served op's CUDA
 implementation (ops/marlin.py), whose launch config per M comes from a registered table, against
 the op's CPU implementation; and the tune's co-serving measurement (benchmarking/coserve.py) with
@@ -30,6 +30,7 @@ from interpret_kernels_check import check, routing  # noqa: E402
 from moe_grouped_decode.awq import synthetic_moe_weights  # noqa: E402
 from moe_grouped_decode.kernels.awq_mma import UNROLLED_CHUNKS  # noqa: E402
 from moe_grouped_decode.kernels.marlin_grouped import MarlinGroupedConfig, launch_marlin_grouped  # noqa: E402
+from moe_grouped_decode.kernels.w2_tl import HELD_CHUNKS  # noqa: E402
 from moe_grouped_decode.marlin_layout import awq_to_marlin  # noqa: E402
 from moe_grouped_decode.ops.reference import reference_moe  # noqa: E402
 
@@ -43,7 +44,11 @@ CASES = [
     (4, 2, 128, 32, 32, 2, "random", F16, (1, 2, 1)),  # N == G == 32: channelwise and N_p = 64
     (4, 2, 256, 256, 128, 2, "random", BF16, (1, 2, 2)),  # G = 128, grouped order, bf16
     (4, 2, 256, 192, 64, 3, "random", F16, (4, 1, 4)),  # G = 64, four warps each
-    (2, 1, 128, 768, 128, 2, "invalid", F16, (1, 4, 2)),  # W2's 24 chunks loop; an id of -1
+    (2, 1, 128, 896, 128, 2, "invalid", F16, (1, 4, 2)),  # W2's 28 chunks loop; an id of -1
+    # W2's row warps: every chunk of N taken by one of R warps in turn, their sums added
+    (4, 2, 128, 128, 32, 3, "random", F16, (1, 1, 1, True, 4)),  # one chunk a warp
+    (4, 2, 256, 192, 64, 3, "round_robin", BF16, (2, 1, 2, True, 2)),  # G = 64, two column warps
+    (2, 1, 128, 1792, 128, 2, "invalid", BF16, (1, 4, 1, False, 2)),  # 28 chunks a warp: the loop
     (4, 2, 128, 64, 32, 3, "invalid", F16, (1, 1, 1)),  # the fused combine over a slot of id -1
     # the combine as a launch of its own (the rest fuse it into W2)
     (4, 3, 192, 160, 32, 5, "single_hot", F16, (1, 2, 1, False)),
@@ -52,7 +57,7 @@ CASES = [
 
 
 def main() -> None:
-    assert 768 // 32 > UNROLLED_CHUNKS, "the last case loops"
+    assert 896 // 32 - HELD_CHUNKS > UNROLLED_CHUNKS and 1792 // 32 // 2 - HELD_CHUNKS > UNROLLED_CHUNKS, "the W2 loop"
     gen = torch.Generator().manual_seed(11)
     for E, k, K, N, G, M, pattern, dtype, config in CASES:
         awq = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + N + M)

@@ -106,7 +106,8 @@ def test_no_co_serving_where_vllm_would_run_neither_marlin_nor_humming(backend):
 
 def test_a_co_serving_table_round_trips_through_its_file(tmp_path):
     launch = ({"M": 4, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1, "fused_combine": True}},
-              {"M": 8, "config": {"w13_warps": 8, "w13_chunks": 2, "w2_warps": 2, "fused_combine": False}})
+              {"M": 8, "config": {"w13_warps": 8, "w13_chunks": 2, "w2_warps": 2, "fused_combine": False,
+                                  "w2_row_warps": 4}})
     t = table(coserve((2.0,) * 6, launch=launch))
     path = tables.write_table(t, tmp_path)
     assert tables.read_dir(tmp_path)[0] == t
@@ -123,6 +124,8 @@ def test_a_co_serving_table_round_trips_through_its_file(tmp_path):
     (lambda c: c.update(launch=[{"M": 0, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
                                                       "fused_combine": True}}]), "launch entries"),
     (lambda c: c.update(launch=[{"M": 4, "config": {"w13_warps": 4}}]), "launch entries"),
+    (lambda c: c.update(launch=[{"M": 4, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
+                                                      "fused_combine": True, "w2_cols": 2}}]), "launch entries"),
     (lambda c: c["coserved_us"].__setitem__(0, 0.0), "positive"),
     (lambda c: c["vllm_us"]["marlin"].__setitem__(1, -1.0), "positive"),
     (lambda c: c.pop("tokens"), "'tokens'"),
@@ -183,3 +186,39 @@ def test_the_supported_models_row_says_where_a_shape_is_co_served():
     assert "co-served" not in supported.row("a model", table(coserve((0.5,) * 6)))
     one = supported.row("a model", table(coserve((1.5, 1.0, 2.0, 2.0, 2.0, 2.0))))
     assert "**co-served at 1 token**" in one and "1.50x at 1 |" in one
+
+
+@pytest.mark.parametrize("text, fields", [
+    ("2x4x2", dict(w13_warps=2, w13_chunks=4, w2_warps=2, fused_combine=True, w2_row_warps=1)),
+    ("4x2x1s", dict(w13_warps=4, w13_chunks=2, w2_warps=1, fused_combine=False, w2_row_warps=1)),
+    ("2x4x1r4", dict(w13_warps=2, w13_chunks=4, w2_warps=1, fused_combine=True, w2_row_warps=4)),
+    ("8x2x2r2s", dict(w13_warps=8, w13_chunks=2, w2_warps=2, fused_combine=False, w2_row_warps=2)),
+])
+def test_a_co_serving_candidate_reads_and_prints_the_same(text, fields):
+    from moe_grouped_decode.benchmarking.coserve import config_text, parse_config
+
+    config = parse_config(text)
+    assert dataclasses.asdict(config) == fields
+    assert config_text(fields) == text
+
+
+@pytest.mark.parametrize("text", ["2x4", "2x4x2r", "2x4x2sr2", "a2x4x2", "2x4x2 "])
+def test_a_malformed_co_serving_candidate_is_an_error(text):
+    from moe_grouped_decode.benchmarking.coserve import parse_config
+
+    with pytest.raises(ValueError, match="expected W13WARPS"):
+        parse_config(text)
+
+
+@pytest.mark.parametrize("config, K, N, message", [
+    ((2, 4, 2), 2048 + 128, 512, "does not tile K"),  # a K split of 256 rows
+    ((2, 4, 2, True, 4), 2048, 160, "does not tile N"),  # 5 chunks of N over 4 row warps
+    ((2, 4, 2, True, 3), 2048, 192, "power of 2"),  # 6 chunks, yet 96 lanes are no arange
+    ((2, 4, 2, True, 0), 2048, 512, "power of 2"),
+])
+def test_a_launch_config_that_does_not_tile_the_layer_is_refused(config, K, N, message):
+    from moe_grouped_decode.kernels.marlin_grouped import MarlinGroupedConfig
+
+    with pytest.raises(ValueError, match=message):
+        MarlinGroupedConfig(*config).splits(K, N)
+    assert MarlinGroupedConfig(2, 4, 2, True, 2).splits(2048, 512) == 8

@@ -12,25 +12,40 @@ measured (the table says where the kernel stops winning; the verdict keeps the w
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable, Dict, List, Sequence
 
 from .. import tables
 
 # where decode batches live; the kernel reads an expert per routed row, so its gain ends well before 16
 COSERVE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
-# w13 warps x w13 chunks x w2 warps (a trailing "s": the combine as a launch of its own)
-COSERVE_CANDIDATES = ("4x4x2", "4x2x1", "4x4x1", "4x2x2", "8x2x2", "2x4x2", "4x4x4", "4x2x1s")
+# w13 warps x w13 chunks x w2 warps, then "rR": R row warps per W2 column warp, and a trailing "s":
+# the combine as a launch of its own
+COSERVE_CANDIDATES = ("4x4x2", "4x2x1", "4x4x1", "4x2x2", "8x2x2", "2x4x2", "4x4x4", "4x2x1s", "2x4x2r2", "2x4x2r4",
+                      "2x4x1r4", "4x4x1r4")
 # the co-served kernel's output against the float64 reference, max |diff| / max |reference|: the
 # bounds the GPU tests hold the plugin's ops to (tests/test_cuda_ops.py)
 SCALED_DIFF_BOUND = {"fp16": 2e-3, "bf16": 16e-3}
+_CONFIG_TEXT = re.compile(r"(\d+)x(\d+)x(\d+)(?:r(\d+))?(s?)")
 
 
 def parse_config(text: str):
+    """A candidate's text (``COSERVE_CANDIDATES``) -> ``MarlinGroupedConfig``; ValueError for another."""
     from ..kernels.marlin_grouped import MarlinGroupedConfig
 
-    separate = text.endswith("s")
-    w13_warps, w13_chunks, w2_warps = (int(v) for v in text.rstrip("s").split("x"))
-    return MarlinGroupedConfig(w13_warps, w13_chunks, w2_warps, fused_combine=not separate)
+    match = _CONFIG_TEXT.fullmatch(text)
+    if match is None:
+        raise ValueError(f"co-serving config {text!r}: expected W13WARPSxCHUNKSxW2WARPS[rROWWARPS][s], e.g. 2x4x2r4")
+    w13_warps, w13_chunks, w2_warps, row_warps, separate = match.groups()
+    return MarlinGroupedConfig(int(w13_warps), int(w13_chunks), int(w2_warps), fused_combine=not separate,
+                               w2_row_warps=int(row_warps or 1))
+
+
+def config_text(fields: dict) -> str:
+    """A launch-table entry's config fields as ``parse_config`` reads them."""
+    text = "x".join(str(fields.get(f, "?")) for f in ("w13_warps", "w13_chunks", "w2_warps"))
+    row_warps = fields.get("w2_row_warps", 1)
+    return text + ("" if row_warps == 1 else f"r{row_warps}") + ("" if fields.get("fused_combine", True) else "s")
 
 
 def launch_entries(best: Dict[int, dict]) -> tuple:
@@ -57,7 +72,7 @@ def measure_coserve(measure, tokens: Sequence[int] = COSERVE_TOKENS, candidates:
     for text in candidates:
         config = parse_config(text)
         try:
-            config.splits(K)
+            config.splits(K, N)
         except ValueError as error:
             log(f"[coserve] {text}: {error}")
             continue
@@ -120,8 +135,7 @@ def markdown(table: tables.MeasuredTable, verdict: tables.CoserveVerdict, vllm_b
     for i, m in enumerate(c.tokens):
         best = c.vllm_best_us(i)
         cfg = next((e for e in entries if m <= e["M"]), entries[-1])["config"] if entries else {}
-        label = "x".join(str(cfg.get(f, "?")) for f in ("w13_warps", "w13_chunks", "w2_warps"))
-        label += "" if cfg.get("fused_combine", True) else "s"
+        label = config_text(cfg)
         cells = " | ".join("-" if c.vllm_us[b][i] is None else f"{c.vllm_us[b][i]:.1f}" for b in backends)
         ratio = "-" if best is None else f"{best / c.coserved_us[i]:.2f}x"
         lines.append(f"| {m} | {c.coserved_us[i]:.1f} | {cells} | {ratio} | {label} |")

@@ -140,47 +140,59 @@ def marlin_w2_kernel(
     K: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr,
     WARPS: tl.constexpr, N_PAD: tl.constexpr, SCALES_GROUPED: tl.constexpr, IS_BF16: tl.constexpr,
     USE_PDL: tl.constexpr, TOP_K: tl.constexpr = 1, FUSED_COMBINE: tl.constexpr = False,
+    ROW_WARPS: tl.constexpr = 1,
 ):
     """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32."""
     # with the combine fused, W2 is the op's last launch: what follows must not start before it ends
     let_next_launch_start(USE_PDL and not FUSED_COMBINE)
     row = tl.program_id(0)
     tile = tl.program_id(1)
-    CHUNKS: tl.constexpr = N // CHUNK_ROWS
-    # the first HELD chunks' weights are loaded before the wait for W13 (they stream in while it
+    # ROW_WARPS warps share a column tile, each taking every ROW_WARPS-th chunk of the N rows: a
+    # shorter chain of dependent loads per warp where few rows leave the SMs half idle
+    ITERS: tl.constexpr = N // CHUNK_ROWS // ROW_WARPS
+    # the first HELD iterations' weights are loaded before the wait for W13 (they stream in while it
     # finishes), the rest in the chunk loop after it
-    HELD: tl.constexpr = min(CHUNKS, HELD_CHUNKS)
+    HELD: tl.constexpr = min(ITERS, HELD_CHUNKS)
     expert = tl.load(ids_ptr + row)
     valid = (expert >= 0) & (expert < num_experts)
     expert = tl.where(valid, expert, 0).to(tl.int64)
-    warp, g, t, e = chunk_lanes(WARPS)
-    col_tile = tile * WARPS + warp
+    LANE_WARPS: tl.constexpr = WARPS * ROW_WARPS
+    warp, g, t, e = chunk_lanes(LANE_WARPS)
+    part = warp // WARPS  # which of the ROW_WARPS chunk sequences
+    col_tile = tile * WARPS + warp % WARPS
     block, word = marlin_word_offsets(t, g, e)
     qweight_base = qweight_ptr + expert * (N_P // 16 * 2 * K) + col_tile * MARLIN_TILE_WORDS + word
     scales_base = scales_ptr + expert * (N_P // G * K) + col_tile * MARLIN_TILE_COLUMNS + _scale_columns(g, e, SCALES_GROUPED)
     qzeros_base = qzeros_ptr + expert * (N_P // G * (K // 8)) + col_tile * 8 + g
     held = ()
-    for c in tl.static_range(HELD):
-        held += (_w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K, G),)
+    for i in tl.static_range(HELD):
+        held += (_w2_chunk_weights(qweight_base, scales_base, qzeros_base, i * ROW_WARPS + part, block, K, G),)
     wait_for_previous_launch(USE_PDL)
     row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
     tl.debug_barrier()  # every thread's act stores happen before any thread reads them back
-    acc_lo = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
-    acc_hi = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
-    for c in tl.static_range(HELD):
-        words, scales, zeros = held[c]
-        acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N, IS_BF16,
-                                       WARPS)
-    if CHUNKS - HELD <= UNROLLED_CHUNKS:
-        for c in tl.static_range(HELD, CHUNKS):
+    acc_lo = tl.zeros([32 * LANE_WARPS, 8], dtype=tl.float32)
+    acc_hi = tl.zeros([32 * LANE_WARPS, 8], dtype=tl.float32)
+    for i in tl.static_range(HELD):
+        words, scales, zeros = held[i]
+        acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, i * ROW_WARPS + part, words, scales, zeros, acc_lo, acc_hi,
+                                       g, t, e, N, IS_BF16, LANE_WARPS)
+    if ITERS - HELD <= UNROLLED_CHUNKS:
+        for i in tl.static_range(HELD, ITERS):
+            c = i * ROW_WARPS + part
             words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K, G)
             acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
-                                           IS_BF16, WARPS)
+                                           IS_BF16, LANE_WARPS)
     else:
-        for c in tl.range(HELD, CHUNKS, loop_unroll_factor=CHUNK_LOOP_UNROLL):
+        for i in tl.range(HELD, ITERS, loop_unroll_factor=CHUNK_LOOP_UNROLL):
+            c = i * ROW_WARPS + part
             words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K, G)
             acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
-                                           IS_BF16, WARPS)
+                                           IS_BF16, LANE_WARPS)
+    if ROW_WARPS > 1:  # the chunk sequences' sums, in sequence order
+        acc_lo = tl.sum(tl.reshape(acc_lo, [ROW_WARPS, 32 * WARPS, 8]), axis=0)
+        acc_hi = tl.sum(tl.reshape(acc_hi, [ROW_WARPS, 32 * WARPS, 8]), axis=0)
+        warp, g, t, e = chunk_lanes(WARPS)
+        col_tile = tile * WARPS + warp
     acc_lo = tl.where(valid, acc_lo, 0.0)
     acc_hi = tl.where(valid, acc_hi, 0.0)
     col = col_tile * MARLIN_TILE_COLUMNS + marlin_chunk_columns(g, e)
@@ -214,19 +226,27 @@ def marlin_combine_kernel(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_exper
 @dataclass(frozen=True)
 class MarlinGroupedConfig:
     """Launch config of the grouped decode over Marlin tensors: W13's warps and 32-row chunks per
-    warp (a K split is warps x chunks x 32 rows; it must divide K), W2's warps (64 output columns
-    each; 64 x warps must divide K)."""
+    warp (a K split is warps x chunks x 32 rows; it must divide K), W2's column warps (64 output
+    columns each; 64 x warps must divide K) and its row warps per column warp (each every
+    ``w2_row_warps``-th 32-row chunk of N; a power of 2 dividing N / 32)."""
 
     w13_warps: int = 4
     w13_chunks: int = 4
     w2_warps: int = 2
     fused_combine: bool = True  # the last of a token's W2 programs on a tile combines it (one launch fewer)
+    w2_row_warps: int = 1
 
-    def splits(self, hidden_size: int) -> int:
+    def splits(self, hidden_size: int, intermediate_size: int) -> int:
+        """W13's K splits for K = ``hidden_size``; ValueError where the config does not tile the
+        layer (K, N = ``intermediate_size``)."""
         rows = self.w13_warps * self.w13_chunks * CHUNK_ROWS.value
         if hidden_size % rows or hidden_size % (MARLIN_TILE_COLUMNS.value * self.w2_warps):
             raise ValueError(f"config {self} does not tile K = {hidden_size}: a K split is {rows} rows, "
                              f"a W2 program {MARLIN_TILE_COLUMNS.value * self.w2_warps} columns")
+        row_warps = self.w2_row_warps
+        if row_warps < 1 or row_warps & (row_warps - 1) or intermediate_size % (CHUNK_ROWS.value * row_warps):
+            raise ValueError(f"config {self} does not tile N = {intermediate_size}: its W2 row warps, a power "
+                             f"of 2, take {CHUNK_ROWS.value} rows each in turn")
         return hidden_size // rows
 
 
@@ -263,7 +283,7 @@ def _coserved_config(gpu: str, shape, dtype: str, num_tokens: int) -> MarlinGrou
     if entries:
         config = config_from_entry(next((e for e in entries if num_tokens <= e["M"]), entries[-1]))
     try:
-        config.splits(shape[2])
+        config.splits(shape[2], shape[3])
     except ValueError:
         config = MarlinGroupedConfig()
     return config
@@ -297,7 +317,7 @@ def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     tensors = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
     if not all(t.is_contiguous() for t in tensors) or x.stride(1) != 1 or (out is not None and out.stride(1) != 1):
         raise ValueError("the weights must be contiguous, x and out of unit column stride")
-    splits = config.splits(K)
+    splits = config.splits(K, N)
     R = M * top_k
     dev, dtype = x.device, x.dtype
     partials = torch.empty(splits, R, 2 * N, dtype=torch.float32, device=dev)
@@ -322,7 +342,7 @@ def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         topk_weights, out, out.stride(0), arrivals,
         K=K, N=N, N_P=N_p, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=triton.next_power_of_2(N),
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl, TOP_K=top_k, FUSED_COMBINE=fused,
-        num_warps=config.w2_warps, **launch_options(use_pdl))
+        ROW_WARPS=config.w2_row_warps, num_warps=config.w2_warps * config.w2_row_warps, **launch_options(use_pdl))
     if not fused:
         marlin_combine_kernel[(M, triton.cdiv(K, COMBINE_BLOCK))](
             row_out, topk_weights, topk_ids, E, out, out.stride(0), TOP_K=top_k, K=K, BLOCK_K=COMBINE_BLOCK,
