@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="512,10,2048,512,128")
     parser.add_argument("--gpu", default="NVIDIA H100 80GB HBM3", help="whose launch table gives the AutoAWQ config")
     parser.add_argument("--tokens", type=int, default=1)
-    parser.add_argument("--marlin-configs", default="2x4x2,4x4x2", help="as the tune's co-serving candidates (benchmarking/coserve.py)")
+    parser.add_argument("--marlin-configs", default="2x4x2,4x4x2",
+                        help="as the tune's co-serving candidates (benchmarking/coserve.py)")
     args = parser.parse_args(argv)
     E, k, K, N, G = (int(v) for v in args.shape.split(","))
     M, dtype = args.tokens, "fp16"
@@ -48,7 +49,8 @@ def main(argv=None) -> int:
     N_p = marlin_padded_intermediate(N, G)
     for text in args.marlin_configs.split(","):
         config = parse_config(text)
-        w13_warps, chunks, w2_warps, row_warps = config.w13_warps, config.w13_chunks, config.w2_warps, config.w2_row_warps
+        w13_warps, chunks, w2_warps = config.w13_warps, config.w13_chunks, config.w2_warps
+        row_warps = config.w2_row_warps
         splits = config.splits(K, N)
         shape = dict(K=K, N=N, N_P=N_p, G=G, SCALES_GROUPED=vllm_scales_grouped(G, N), IS_BF16=False, USE_PDL=True)
         w13 = sass_stats.compile_kernel(

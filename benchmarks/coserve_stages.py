@@ -9,6 +9,9 @@ inputs, CUDA-graph replays of, per M:
     awq_w13    that plan's W13 launch alone
     marlin     the co-served kernel (its table's config, else the default)
     marlin_w13 its W13 launch alone
+    marlin_<config>  the co-served kernel under each ``--marlin-configs`` config (the tune's
+               candidate syntax), after its output on the first layer is checked against the
+               float64 reference (its scaled error in the row; one past the tune's bound is not timed)
 
     python benchmarks/coserve_stages.py --shape 512,10,2048,512,128 --tokens 1,2,4,8 --out DIR
 """
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 import triton
 
-from moe_grouped_decode.benchmarking.coserve import parse_config
+from moe_grouped_decode.benchmarking.coserve import SCALED_DIFF_BOUND, parse_config
 from moe_grouped_decode.benchmarking.replay import graph_replay_us
 from moe_grouped_decode.benchmarking.tune import LayerSpec, Measurement, rotation_layers
 from moe_grouped_decode.kernels import device_facts
@@ -33,7 +36,7 @@ from moe_grouped_decode.kernels.marlin_grouped import (MARLIN_TILE_COLUMNS, cose
                                                        marlin_w13_kernel)
 from moe_grouped_decode.kernels.pdl import pdl_supported
 from moe_grouped_decode.marlin_layout import awq_to_marlin
-from moe_grouped_decode.ops import alloc_workspace, grouped_plan_for, workspace_views
+from moe_grouped_decode.ops import alloc_workspace, grouped_plan_for, reference_moe, workspace_views
 
 
 def marlin_w13_only(x, ids, marlin, N, G, config, partials, use_pdl):
@@ -98,6 +101,14 @@ def main(argv=None) -> int:
                 extra.splits(K, N)
             except ValueError as error:
                 print(f"{text}: {error}", file=sys.stderr)
+                continue
+            got = launch_marlin_grouped(xs[0], tws[0], ids[0], *marlin[0].tensors(), N, G, marlin[0].scales_grouped,
+                                        extra, use_pdl).to(torch.float64).cpu()
+            want = reference_moe(xs[0], tws[0], ids[0], layers[0]).to(torch.float64).cpu()
+            error = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+            row[f"marlin_{text}_scaled_error"] = error
+            if not error <= SCALED_DIFF_BOUND[args.dtype]:  # NaN too
+                print(f"{text}: scaled error {error:.3g} over the bound, not timed", file=sys.stderr)
                 continue
             clocks[f"marlin_{text}"] = lambda i, c=extra: launch_marlin_grouped(
                 xs[i], tws[i], ids[i], *marlin[i].tensors(), N, G, marlin[i].scales_grouped, c, use_pdl, out)

@@ -31,7 +31,7 @@ from moe_grouped_decode.benchmarking.bench import random_layer_inputs
 from moe_grouped_decode.benchmarking.replay import graph_replay_us
 from moe_grouped_decode.benchmarking.vllm_moe import (MarlinRunner, MoeShape, awq_tensors, load_ops, make_locks,
                                                       prepare_marlin_layer)
-from moe_grouped_decode.benchmarking.coserve import parse_config
+from moe_grouped_decode.benchmarking.coserve import COSERVE_CANDIDATES, parse_config
 from moe_grouped_decode.kernels.marlin_grouped import launch_marlin_grouped
 from moe_grouped_decode.marlin_layout import awq_to_marlin, vllm_scales_grouped
 from moe_grouped_decode.ops import alloc_workspace, error_stats, reference_moe
@@ -42,8 +42,8 @@ SHAPES = {
     "qwen3-235b-tp4": "128,8,4096,384,128",
     "qwen3.8-tp4": "512,10,2560,160,32",
 }
-# w13 warps x w13 chunks x w2 warps; a trailing "s": the combine as a launch of its own (else fused into W2)
-CONFIGS = "4x2x1,4x4x1,4x2x2,8x2x2,2x4x2,4x4x4,4x2x1s"
+# as the tune's co-serving candidates (benchmarking/coserve.py: W13WARPSxCHUNKSxW2WARPS[rROWWARPS][s])
+CONFIGS = ",".join(COSERVE_CANDIDATES)
 COLD_BYTES = 256e6  # one token's experts over the rotated layers: L2 cold
 
 
@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), help="names of SHAPES or E,k,K,N,G")
     parser.add_argument("--tokens", default="1,2,4,8,16")
-    parser.add_argument("--configs", default=CONFIGS, help="w13 warps x w13 chunks x w2 warps[s], comma separated (s: the combine unfused)")
+    parser.add_argument("--configs", default=CONFIGS, help="W13WARPSxCHUNKSxW2WARPS[rROWWARPS][s], comma separated (r: W2 row warps; s: the "
+                        "combine unfused)")
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
     parser.add_argument("--max-layers", type=int, default=64,
                         help="rotate at most this many layers (fewer: faster, L2 warmer if under its size)")

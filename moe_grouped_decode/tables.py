@@ -251,14 +251,29 @@ def _coserve_from_json(c: dict) -> CoserveTable:
     if any(not us > 0 for us in table.coserved_us) or any(us is not None and not us > 0
                                                          for times in table.vllm_us.values() for us in times):
         raise ValueError("coserve times must be positive")
-    fields = {"w13_warps", "w13_chunks", "w2_warps", "fused_combine"}  # kernels/marlin_grouped.py's config
-    optional = {"w2_row_warps"}
-    if any(not isinstance(e, dict) or not isinstance(e.get("M"), int) or e["M"] < 1
-           or not isinstance(e.get("config"), dict) or not fields <= set(e["config"]) <= fields | optional
-           for e in table.launch):
-        raise ValueError(f"coserve.launch entries must be {{\"M\": int >= 1, \"config\": {{{', '.join(sorted(fields))}"
-                         f"[, {', '.join(sorted(optional))}]}}}}")
+    if not all(_coserve_launch_entry_ok(e) for e in table.launch):
+        raise ValueError(f"coserve.launch entries must be {{\"M\": int >= 1, \"config\": {{"
+                         f"{', '.join(sorted(_COSERVE_COUNTS))} (ints >= 1), fused_combine (bool)"
+                         f"[, {', '.join(sorted(_COSERVE_OPTIONAL_COUNTS))} (int >= 1)]}}}}")
     return table
+
+
+# kernels/marlin_grouped.py's launch config: counts, and whether W2 fuses the combine
+_COSERVE_COUNTS = {"w13_warps", "w13_chunks", "w2_warps"}
+_COSERVE_OPTIONAL_COUNTS = {"w2_row_warps"}
+
+
+def _coserve_launch_entry_ok(entry) -> bool:
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    if not isinstance(entry, dict) or not count(entry.get("M")) or not isinstance(entry.get("config"), dict):
+        return False
+    config = entry["config"]
+    required = _COSERVE_COUNTS | {"fused_combine"}
+    return (required <= set(config) <= required | _COSERVE_OPTIONAL_COUNTS
+            and isinstance(config["fused_combine"], bool)
+            and all(count(v) for f, v in config.items() if f != "fused_combine"))
 
 
 def table_from_json(data: dict, path: Optional[Path] = None) -> MeasuredTable:

@@ -48,6 +48,7 @@ CASES = [
     # W2's row warps: every chunk of N taken by one of R warps in turn, their sums added
     (4, 2, 128, 128, 32, 3, "random", F16, (1, 1, 1, True, 4)),  # one chunk a warp
     (4, 2, 256, 192, 64, 3, "round_robin", BF16, (2, 1, 2, True, 2)),  # G = 64, two column warps
+    (2, 1, 128, 512, 128, 2, "random", F16, (1, 4, 1, True, 2)),  # 8 chunks a warp: 6 held, 2 after the wait
     (2, 1, 128, 1792, 128, 2, "invalid", BF16, (1, 4, 1, False, 2)),  # 28 chunks a warp: the loop
     (4, 2, 128, 64, 32, 3, "invalid", F16, (1, 1, 1)),  # the fused combine over a slot of id -1
     # the combine as a launch of its own (the rest fuse it into W2)
@@ -57,7 +58,13 @@ CASES = [
 
 
 def main() -> None:
-    assert 896 // 32 - HELD_CHUNKS > UNROLLED_CHUNKS and 1792 // 32 // 2 - HELD_CHUNKS > UNROLLED_CHUNKS, "the W2 loop"
+    # W2's chunks a warp past the held ones: some cases loop, some run unrolled, with and without row warps
+    after_held = {(c[8][4] if len(c[8]) > 4 else 1) > 1: set() for c in CASES}
+    for case in CASES:
+        row_warps = case[8][4] if len(case[8]) > 4 else 1
+        after_held.setdefault(row_warps > 1, set()).add(case[3] // 32 // row_warps - HELD_CHUNKS)
+    for row_warps, counts in after_held.items():
+        assert max(counts) > UNROLLED_CHUNKS and any(0 < n <= UNROLLED_CHUNKS for n in counts), (row_warps, counts)
     gen = torch.Generator().manual_seed(11)
     for E, k, K, N, G, M, pattern, dtype, config in CASES:
         awq = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + N + M)
@@ -102,12 +109,16 @@ def check_coserved_op(gen) -> None:
     from moe_grouped_decode.kernels.marlin_grouped import coserved_config
     from moe_grouped_decode.ops import awq_marlin_grouped_decode, awq_marlin_grouped_decode_cuda
 
-    E, k, K, N, G = 4, 2, 512, 96, 32
+    E, k, K, N, G = 4, 2, 512, 128, 32
     awq = synthetic_moe_weights(E, K, N, G, dtype=F16, seed=7)
     marlin = awq_to_marlin(awq)
     launch = ({"M": 1, "config": {"w13_warps": 1, "w13_chunks": 1, "w2_warps": 1, "fused_combine": True}},
+              {"M": 2, "config": {"w13_warps": 1, "w13_chunks": 2, "w2_warps": 1, "fused_combine": True,
+                                  "w2_row_warps": 4}},
               {"M": 3, "config": {"w13_warps": 2, "w13_chunks": 2, "w2_warps": 2, "fused_combine": False}},
-              {"M": 4, "config": {"w13_warps": 8, "w13_chunks": 4, "w2_warps": 1, "fused_combine": True}})
+              {"M": 4, "config": {"w13_warps": 8, "w13_chunks": 4, "w2_warps": 1, "fused_combine": True}},
+              {"M": 5, "config": {"w13_warps": 1, "w13_chunks": 1, "w2_warps": 1, "fused_combine": True,
+                                  "w2_row_warps": 8}})
     gpu = device_facts(torch.device("cpu")).name
     route = tables.RouteTable(tokens=(1,), routes=("grouped",), plugin_us=(1.0,), vllm_us={"marlin": (2.0,)},
                               grouped_tokens=None)
@@ -115,12 +126,14 @@ def check_coserved_op(gen) -> None:
                                  versions={}, routes=route,
                                  coserve=tables.CoserveTable((1,), (1.0,), {"marlin": (2.0,)}, launch))
     with tables.table_registered(table):
-        chosen = [coserved_config(gpu, table.shape, "fp16", M) for M in (1, 2, 3, 4, 9)]
-        want = [(1, 1, 1, True), (2, 2, 2, False), (2, 2, 2, False), (4, 4, 2, True), (4, 4, 2, True)]
-        got = [(c.w13_warps, c.w13_chunks, c.w2_warps, c.fused_combine) for c in chosen]
-        if got != want:  # 8 x 4 x 32 rows do not tile K = 512: the default
+        chosen = [coserved_config(gpu, table.shape, "fp16", M) for M in (1, 2, 3, 4, 5, 9)]
+        want = [(1, 1, 1, True, 1), (1, 2, 1, True, 4), (2, 2, 2, False, 1), (4, 4, 2, True, 1), (4, 4, 2, True, 1),
+                (4, 4, 2, True, 1)]
+        got = [(c.w13_warps, c.w13_chunks, c.w2_warps, c.fused_combine, c.w2_row_warps) for c in chosen]
+        # the default where 8 x 4 x 32 rows do not tile K = 512 and 8 row warps not N = 128's 4 chunks
+        if got != want:
             fail(f"co-served configs per M {got}, expected {want}")
-        for M in (1, 3):
+        for M in (1, 2, 3):
             x = torch.randn(M, K, generator=gen).to(F16)
             tw = torch.rand(M, k, generator=gen)
             ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32)
@@ -152,10 +165,12 @@ def check_coserve_measurement() -> None:
 
     logged = []
     measure = tune.Measurement(spec, layers, clock, vllm_timer, torch.device("cpu"), large_layers=1)
-    table = measure_coserve(measure, (1, 2, 3), candidates=("4x2x1", "2x4x2", "4x4x2"), log=logged.append,
-                            generator="interpret")
+    table = measure_coserve(measure, (1, 2, 3), candidates=("4x2x1", "2x4x2", "4x4x2", "2x4x2r4"),
+                            log=logged.append, generator="interpret")
     if not any("4x4x2" in line and "does not tile K = 256" in line for line in logged):
         fail(f"a candidate that cannot tile K was not said: {logged}")
+    if not any("2x4x2r4" in line and "does not tile N = 64" in line for line in logged):
+        fail(f"a candidate that cannot tile N was not said: {logged}")
     again = [key for key in clocked if key[-1] == "again"]
     if sorted({key[2] for key in clocked}) != ["2x4x2", "4x2x1"] or len(clocked) != 9 or [
             (key[1], key[2]) for key in again] != [(1, "2x4x2"), (2, "2x4x2"), (3, "4x2x1")]:

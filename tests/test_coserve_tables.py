@@ -126,6 +126,14 @@ def test_a_co_serving_table_round_trips_through_its_file(tmp_path):
     (lambda c: c.update(launch=[{"M": 4, "config": {"w13_warps": 4}}]), "launch entries"),
     (lambda c: c.update(launch=[{"M": 4, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
                                                       "fused_combine": True, "w2_cols": 2}}]), "launch entries"),
+    (lambda c: c.update(launch=[{"M": 4, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
+                                                      "fused_combine": True, "w2_row_warps": "4"}}]), "launch entries"),
+    (lambda c: c.update(launch=[{"M": 4, "config": {"w13_warps": 0, "w13_chunks": 2, "w2_warps": 1,
+                                                      "fused_combine": True}}]), "launch entries"),
+    (lambda c: c.update(launch=[{"M": 4, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
+                                                      "fused_combine": 1}}]), "launch entries"),
+    (lambda c: c.update(launch=[{"M": True, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
+                                                         "fused_combine": True}}]), "launch entries"),
     (lambda c: c["coserved_us"].__setitem__(0, 0.0), "positive"),
     (lambda c: c["vllm_us"]["marlin"].__setitem__(1, -1.0), "positive"),
     (lambda c: c.pop("tokens"), "'tokens'"),
@@ -221,4 +229,10 @@ def test_a_launch_config_that_does_not_tile_the_layer_is_refused(config, K, N, m
 
     with pytest.raises(ValueError, match=message):
         MarlinGroupedConfig(*config).splits(K, N)
-    assert MarlinGroupedConfig(2, 4, 2, True, 2).splits(2048, 512) == 8
+
+
+def test_a_launch_config_splits_k_into_its_w13_programs_rows():
+    from moe_grouped_decode.kernels.marlin_grouped import MarlinGroupedConfig
+
+    assert MarlinGroupedConfig(2, 4, 2, True, 2).splits(2048, 512) == 8  # 2 warps x 4 chunks x 32 rows a split
+    assert MarlinGroupedConfig(4, 4, 1, True, 4).splits(4096, 384) == 8

@@ -44,12 +44,13 @@ def layer(request):
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("config", [MarlinGroupedConfig(4, 2, 1), MarlinGroupedConfig(2, 4, 4),
                                     MarlinGroupedConfig(4, 2, 2, fused_combine=False),
-                                    MarlinGroupedConfig(2, 4, 2, w2_row_warps=4)], ids=str)
+                                    MarlinGroupedConfig(2, 4, 2, w2_row_warps=4),
+                                    MarlinGroupedConfig(4, 2, 1, w2_row_warps=2)], ids=str)
 def test_marlin_grouped_matches_reference(layer, M, config):
     awq, tensors, grouped, (E, k, K, N, G), dtype = layer
     if N % (32 * config.w2_row_warps):
         pytest.skip(f"N = {N} is {N // 32} chunks, not a multiple of {config.w2_row_warps} row warps")
-    gen = torch.Generator().manual_seed(M + 100 * config.w2_warps)
+    gen = torch.Generator().manual_seed(M + 10 * config.w13_warps + 100 * config.w2_warps + 1000 * config.w2_row_warps)
     x = torch.randn(M, K, generator=gen).to(dtype)
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
     tw = torch.rand(M, k, generator=gen)

@@ -3,7 +3,7 @@ vLLM's own backends at the first token counts (``tables.CoserveTable``).
 
 On the tune's rotated layers converted to vLLM's Marlin layout (``marlin_layout.awq_to_marlin``,
 what vLLM's load step makes of them bit for bit), at each count of ``tokens``: each launch
-config of ``candidates`` that tiles K is checked against the float64 reference (a wrong one is
+config of ``candidates`` that tiles the layer's K and N is checked against the float64 reference (a wrong one is
 dropped, said why) and timed; the fastest is the count's entry, and its time is taken again for
 the table; then vLLM's backends on the same inputs, in the same process. Counts past the first where vLLM is as fast or faster are still
 measured (the table says where the kernel stops winning; the verdict keeps the window from 1).
@@ -20,7 +20,8 @@ from .. import tables
 # where decode batches live; the kernel reads an expert per routed row, so its gain ends well before 16
 COSERVE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 # w13 warps x w13 chunks x w2 warps, then "rR": R row warps per W2 column warp, and a trailing "s":
-# the combine as a launch of its own
+# the combine as a launch of its own. The row-warp configs are there for one to few tokens, where
+# W2 has only R x K / 128 programs, each walking all of N in turn
 COSERVE_CANDIDATES = ("4x4x2", "4x2x1", "4x4x1", "4x2x2", "8x2x2", "2x4x2", "4x4x4", "4x2x1s", "2x4x2r2", "2x4x2r4",
                       "2x4x1r4", "4x4x1r4")
 # the co-served kernel's output against the float64 reference, max |diff| / max |reference|: the
@@ -78,7 +79,7 @@ def measure_coserve(measure, tokens: Sequence[int] = COSERVE_TOKENS, candidates:
             continue
         configs.append((text, config))
     if not configs:
-        raise ValueError(f"no co-serving candidate tiles K = {K}")
+        raise ValueError(f"no co-serving candidate tiles K = {K}, N = {N}")
     marlin = [awq_to_marlin(layer) for layer in measure.layers]
     bound = SCALED_DIFF_BOUND[measure.spec.dtype]
 

@@ -15,14 +15,16 @@ Programs::
          are computed and not stored)
          -> float32 partials[s, row, 2N] (gate then up, unpadded)
     W2:  program (row, column tile): silu(gate) * up from the partials -> act[row] (16-bit),
-         then warp w takes 64 output columns over the N real rows -> float32 row_out[row, K];
+         then each of WARPS column warps takes 64 output columns over the N real rows, its
+         ROW_WARPS warps every ROW_WARPS-th 32-row chunk each, their sums added -> float32
+         row_out[row, K];
          FUSED_COMBINE: the last of a token's k programs on the tile (an int32 arrival counter per
          (token, tile)) writes the token's combined columns
     combine (a launch of its own without FUSED_COMBINE):
          out[t] = sum_j topk_weights[t, j] * row_out[t * k + j]  (j order)
 
-Every sum has a fixed order (splits, warps, chunks, j), so a token's bits depend on its own
-inputs only. An id outside [0, E) reads expert 0 and its row output is 0.
+Every sum has a fixed order for a given launch config (splits, warps, chunks, row warps, j),
+so a token's bits depend on its own inputs and that config only. An id outside [0, E) reads expert 0 and its row output is 0.
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ def marlin_w2_kernel(
     # ROW_WARPS warps share a column tile, each taking every ROW_WARPS-th chunk of the N rows: a
     # shorter chain of dependent loads per warp where few rows leave the SMs half idle
     ITERS: tl.constexpr = N // CHUNK_ROWS // ROW_WARPS
+    tl.static_assert(ITERS * ROW_WARPS * CHUNK_ROWS == N, "the row warps must divide N's 32-row chunks")
     # the first HELD iterations' weights are loaded before the wait for W13 (they stream in while it
     # finishes), the rest in the chunk loop after it
     HELD: tl.constexpr = min(ITERS, HELD_CHUNKS)
@@ -158,7 +161,7 @@ def marlin_w2_kernel(
     expert = tl.where(valid, expert, 0).to(tl.int64)
     LANE_WARPS: tl.constexpr = WARPS * ROW_WARPS
     warp, g, t, e = chunk_lanes(LANE_WARPS)
-    part = warp // WARPS  # which of the ROW_WARPS chunk sequences
+    row_warp = warp // WARPS  # which of the ROW_WARPS chunk sequences the lane's warp takes
     col_tile = tile * WARPS + warp % WARPS
     block, word = marlin_word_offsets(t, g, e)
     qweight_base = qweight_ptr + expert * (N_P // 16 * 2 * K) + col_tile * MARLIN_TILE_WORDS + word
@@ -166,7 +169,7 @@ def marlin_w2_kernel(
     qzeros_base = qzeros_ptr + expert * (N_P // G * (K // 8)) + col_tile * 8 + g
     held = ()
     for i in tl.static_range(HELD):
-        held += (_w2_chunk_weights(qweight_base, scales_base, qzeros_base, i * ROW_WARPS + part, block, K, G),)
+        held += (_w2_chunk_weights(qweight_base, scales_base, qzeros_base, i * ROW_WARPS + row_warp, block, K, G),)
     wait_for_previous_launch(USE_PDL)
     row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
     tl.debug_barrier()  # every thread's act stores happen before any thread reads them back
@@ -174,21 +177,21 @@ def marlin_w2_kernel(
     acc_hi = tl.zeros([32 * LANE_WARPS, 8], dtype=tl.float32)
     for i in tl.static_range(HELD):
         words, scales, zeros = held[i]
-        acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, i * ROW_WARPS + part, words, scales, zeros, acc_lo, acc_hi,
+        acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, i * ROW_WARPS + row_warp, words, scales, zeros, acc_lo, acc_hi,
                                        g, t, e, N, IS_BF16, LANE_WARPS)
     if ITERS - HELD <= UNROLLED_CHUNKS:
         for i in tl.static_range(HELD, ITERS):
-            c = i * ROW_WARPS + part
+            c = i * ROW_WARPS + row_warp
             words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K, G)
             acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
                                            IS_BF16, LANE_WARPS)
     else:
         for i in tl.range(HELD, ITERS, loop_unroll_factor=CHUNK_LOOP_UNROLL):
-            c = i * ROW_WARPS + part
+            c = i * ROW_WARPS + row_warp
             words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K, G)
             acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
                                            IS_BF16, LANE_WARPS)
-    if ROW_WARPS > 1:  # the chunk sequences' sums, in sequence order
+    if ROW_WARPS > 1:  # the chunk sequences' sums, in the compiler's fixed tree order
         acc_lo = tl.sum(tl.reshape(acc_lo, [ROW_WARPS, 32 * WARPS, 8]), axis=0)
         acc_hi = tl.sum(tl.reshape(acc_hi, [ROW_WARPS, 32 * WARPS, 8]), axis=0)
         warp, g, t, e = chunk_lanes(WARPS)
@@ -264,8 +267,8 @@ def config_from_entry(entry: dict) -> MarlinGroupedConfig:
 def coserved_config(gpu: str, shape, dtype: str, num_tokens: int) -> MarlinGroupedConfig:
     """The launch config the co-served kernel runs at M = ``num_tokens`` for ``shape`` (E, k, K, N, G)
     and ``dtype`` ("fp16"/"bf16") on ``gpu``: the measured table's entry (an entry serves every M
-    up to its own, the last every M above), else the default; one that cannot tile K falls back to
-    the default. Asked at every eager call: kept per table generation."""
+    up to its own, the last every M above), else the default; one that cannot tile the layer's K
+    and N falls back to the default. Asked at every eager call: kept per table generation."""
     key = (gpu, tuple(shape), dtype, num_tokens, tables.generation())
     config = _CONFIGS.get(key)
     if config is None:
