@@ -3,10 +3,11 @@ vLLM's own backends at the first token counts (``tables.CoserveTable``).
 
 On the tune's rotated layers converted to vLLM's Marlin layout (``marlin_layout.awq_to_marlin``,
 what vLLM's load step makes of them bit for bit), at each count of ``tokens``: each launch
-config of ``candidates`` that tiles the layer's K and N is checked against the float64 reference (a wrong one is
-dropped, said why) and timed; the fastest is the count's entry, and its time is taken again for
-the table; then vLLM's backends on the same inputs, in the same process. Counts past the first where vLLM is as fast or faster are still
-measured (the table says where the kernel stops winning; the verdict keeps the window from 1).
+config of ``candidates`` that tiles the layer's K and N is checked against the float64
+reference (a wrong one is dropped, said why) and timed; the fastest is the count's entry, and
+its time is taken again for the table; then vLLM's backends on the same inputs, in the same
+process. Counts past the first where vLLM is as fast or faster are still measured (the table
+says where the kernel stops winning; the verdict keeps the window from 1).
 """
 
 from __future__ import annotations

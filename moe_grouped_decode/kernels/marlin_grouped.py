@@ -24,7 +24,8 @@ Programs::
          out[t] = sum_j topk_weights[t, j] * row_out[t * k + j]  (j order)
 
 Every sum has a fixed order for a given launch config (splits, warps, chunks, row warps, j),
-so a token's bits depend on its own inputs and that config only. An id outside [0, E) reads expert 0 and its row output is 0.
+so a token's bits depend on its own inputs and that config only. An id outside [0, E) reads
+expert 0 and its row output is 0.
 """
 
 from __future__ import annotations
