@@ -142,8 +142,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), help="names of SHAPES or E,k,K,N,G")
     parser.add_argument("--tokens", default="1,2,4,8,16")
-    parser.add_argument("--configs", default=CONFIGS, help="W13WARPSxCHUNKSxW2WARPS[rROWWARPS][s], comma separated (r: W2 row warps; s: the "
-                        "combine unfused)")
+    parser.add_argument("--configs", default=CONFIGS,
+                        help="W13WARPSxCHUNKSxW2WARPS[rROWWARPS][s], comma separated (r: W2 row warps; s: the "
+                             "combine unfused)")
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
     parser.add_argument("--max-layers", type=int, default=64,
                         help="rotate at most this many layers (fewer: faster, L2 warmer if under its size)")

@@ -59,10 +59,10 @@ CASES = [
 
 def main() -> None:
     # W2's chunks a warp past the held ones: some cases loop, some run unrolled, with and without row warps
-    after_held = {(c[8][4] if len(c[8]) > 4 else 1) > 1: set() for c in CASES}
+    after_held = {False: set(), True: set()}  # keyed by: with row warps
     for case in CASES:
-        row_warps = case[8][4] if len(case[8]) > 4 else 1
-        after_held.setdefault(row_warps > 1, set()).add(case[3] // 32 // row_warps - HELD_CHUNKS)
+        row_warps = MarlinGroupedConfig(*case[8]).w2_row_warps
+        after_held[row_warps > 1].add(case[3] // 32 // row_warps - HELD_CHUNKS)
     for row_warps, counts in after_held.items():
         assert max(counts) > UNROLLED_CHUNKS and any(0 < n <= UNROLLED_CHUNKS for n in counts), (row_warps, counts)
     gen = torch.Generator().manual_seed(11)
