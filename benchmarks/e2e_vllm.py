@@ -64,7 +64,7 @@ MoE layers (the plugin's startup lines).
 ``--paired`` runs the arms side by side instead: every arm's engine up at once
 on the one device (started one after another, each with an even share of vLLM's
 default GPU memory), then every timed unit (a decode or TTFT repeat, a profiled
-pass) taken in turns, one unit an arm a round, the order reversed every other
+pass) taken in turns, one unit an arm a round, the order rotated by one arm each
 round. A host-bound cell (an eager prefill) moves with the host's speed, which
 on a shared machine drifts by a quarter between minutes; in turns the drift
 weighs on every arm alike.
@@ -174,9 +174,12 @@ class Turns:
     its turn, then the turn goes to the next arm still running. Arms measured this way share the
     machine's minutes, so a host that drifts between minutes weighs on both alike.
 
-    The turns go in rounds, every arm one unit a round, in ``order`` in even rounds and reversed in
-    odd ones (A B, B A, A B, ...): a drift within a round favours neither arm over two rounds, as
-    it would the second arm of every round in one fixed order. Unit i of each arm runs in round i.
+    The turns go in rounds, every arm one unit a round, ``order`` rotated by one arm each round
+    (A B C, B C A, C A B, ...; for two arms A B, B A): over as many rounds as arms every arm holds
+    every place once, so neither a drift within a round nor what the arm before leaves running
+    (its queue readers' busy loop) favours one arm, as it would in one fixed order, or, with three
+    arms, in an order reversed every other round, which keeps the middle arm in the middle. Unit i
+    of each arm runs in round i.
 
     The turn is a file in ``directory`` naming its holder. An arm through its units leaves a
     ``finished-<arm>`` file, one that has exited (or died: the parent marks it) a ``done-<arm>``;
@@ -251,7 +254,8 @@ class Turns:
 
     @staticmethod
     def round_order(order: List[str], round_: int) -> List[str]:
-        return list(order) if round_ % 2 == 0 else list(order)[::-1]
+        shift = round_ % len(order)
+        return list(order[shift:]) + list(order[:shift])
 
     @staticmethod
     def pass_on(directory: Path, arm: str, order: List[str], settle_s: float = 0.0) -> None:
@@ -1343,7 +1347,7 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         f"Command: `{meta.get('command')}`.", "",
         *([f"Arms {', '.join(report['paired'])} side by side (`--paired`): their engines up at once on this device, "
            "each timed unit (a decode or TTFT repeat, a profiled pass) taken in turns, one unit an arm a round, the "
-           "order reversed every other round, so the host's "
+           "order rotated by one arm each round, so the host's "
            "drift between minutes weighs on every arm alike.", ""] if report.get("paired") else []),
         "MoE layers served by (the plugin's startup lines; where the plugin leaves a shape to vLLM, 'on' runs "
         "vLLM's own backend as 'off' does):", "",
@@ -1371,7 +1375,10 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
             ("CUDA-graph capture, s (log timestamps)", "capture_s"), ("CUDA-graph capture, s (vLLM's rounded line)", "capture_s_vllm"),
             ("CUDA graphs, GiB", "capture_gib")]
     startup_arms = list(report["startup"])
-    lines += ["", "Startup (from vLLM's log where not measured here):", "",
+    caches = {"per-arm": " each arm with its own empty compile caches, a cold start;",
+              "shared": " the caches shared, so the first arm to start compiled for the others;"}.get(
+        report["meta"].get("caches"), "")
+    lines += ["", f"Startup ({caches} from vLLM's log where not measured here):".replace("( ", "("), "",
               "| | " + " | ".join(startup_arms) + " |", "| --- |" + " --- |" * len(startup_arms)]
     for label, key in rows:
         lines.append(f"| {label} | " + " | ".join(_fmt(report["startup"][arm].get(key)) for arm in startup_arms) + " |")
@@ -1494,6 +1501,13 @@ def arm_environment(args, arm: str, log_config: Path) -> dict:
     env.pop(DIRECT_LAUNCH_ENV, None)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default engine: multiprocess
     env.update({**ARMS[arm], "VLLM_LOGGING_CONFIG_PATH": str(log_config), "PYTHONUNBUFFERED": "1"})
+    if args.caches == "per-arm":
+        # vLLM's compile cache is keyed by the model and config, not the plugin's switches, so with
+        # shared caches the first arm to start compiles for all and the startup rows compare a cold
+        # start with warm ones; the driver's cache of PTX compiled for this GPU likewise
+        root = log_config.parent / "caches" / arm
+        env.update({"VLLM_CACHE_ROOT": str(root / "vllm"), "TRITON_CACHE_DIR": str(root / "triton"),
+                    "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "CUDA_CACHE_PATH": str(root / "cuda")})
     if args.smoke:
         env[CONTRACTS_ENV] = contracts_to_json([smoke_contract(args)])
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -1612,7 +1626,7 @@ def parse_args(argv=None):
                         help="run the --arms side by side: every arm's engine up at once on the one device (each with "
                              "vLLM's default 0.9 of GPU memory split evenly, unless --gpu-memory-utilization), started "
                              "one after another, then every timed unit (a decode or TTFT repeat, a profiled pass) "
-                             "taken in turns, one unit an arm a round (the order reversed every other round), so a host "
+                             "taken in turns, one unit an arm a round (the order rotated by one arm each round), so a host "
                              "whose speed drifts weighs on every arm alike")
     parser.add_argument("--turn-settle-s", type=float, default=1.2,
                         help="--paired: seconds between one arm's unit and the next arm's (vLLM's shared-memory "
@@ -1620,6 +1634,10 @@ def parse_args(argv=None):
     parser.add_argument("--arm-timeout", type=float, default=None,
                         help="seconds before an arm is killed (default 1500; --paired: for all arms together, "
                              "default 1500 an arm)")
+    parser.add_argument("--caches", choices=("per-arm", "shared"), default="per-arm",
+                        help="compile caches (vLLM's, Inductor's, Triton's, the CUDA driver's): per-arm, each arm's empty at its start "
+                             "and removed after, so every arm's startup is a cold one; shared, the user's own, where "
+                             "the first arm to start warms them for the others")
     parser.add_argument("--report-only", action="store_true", help="only rebuild e2e.json/md/png from the arm files in --out")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke test: tiny 2-layer model, small cells")
     parser.add_argument("--child", choices=tuple(ARMS), help=argparse.SUPPRESS)
@@ -1719,6 +1737,7 @@ def main(argv=None) -> int:
         **{k: getattr(args, k) for k in ("phases", "decode_prompt", "decode_tokens", "profile_tokens", "repeats",
                                            "agree_seqs", "agree_tokens", "tf_seqs", "tf_tokens", "concurrency",
                                            "ttft_prompts", "max_model_len", "layers")},
+        "caches": args.caches,
         "kernel_table_concurrency": 8 if 8 in args.profile_concurrency else args.profile_concurrency[0],
     }
     rc = 0

@@ -386,6 +386,21 @@ def test_arm_environment(e2e, monkeypatch, tmp_path):
     assert env["VLLM_LOGGING_CONFIG_PATH"] == str(tmp_path / "log.json")
 
 
+def test_each_arm_compiles_into_its_own_caches(e2e, monkeypatch, tmp_path):
+    """By default no arm's startup rides on caches another arm warmed; --caches shared keeps the user's."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/users/cache")
+    keys = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH")
+    args = e2e.parse_args(["--out", str(tmp_path)])
+    on, off = (e2e.arm_environment(args, arm, tmp_path / "scratch" / "log.json") for arm in ("on", "off"))
+    for key in keys:
+        assert Path(on[key]).is_relative_to(tmp_path / "scratch")  # removed with the run's scratch folder
+        assert on[key] != off[key]
+    assert len({on[key] for key in keys}) == len(keys)
+    shared = e2e.arm_environment(e2e.parse_args(["--out", str(tmp_path), "--caches", "shared"]), "on",
+                                 tmp_path / "log.json")
+    assert shared["VLLM_CACHE_ROOT"] == "/users/cache"
+
+
 def _scored(*sequences, per_call=1):
     """A teacher-forced pass as an arm saves it: per sequence, (logprobs, top-1 tokens)."""
     return {"sequences_per_call": per_call, "tokens_per_sequence": len(sequences[0][0]) + 1,
@@ -668,9 +683,9 @@ def _run_arms(e2e, tmp_path, units, settle_s=0.0, crash_after=None):
 def test_paired_arms_take_strict_turns(e2e, tmp_path):
     log, turns = _run_arms(e2e, tmp_path, {"on": 4, "off": 4, "dispatch": 4}, settle_s=0.01)
     units = [entry for entry in log if entry[1] != "exit"]
-    # never two arms inside a unit at once; each round every arm once, in --arms order in even
-    # rounds and reversed in odd ones
-    rounds = [("on", "off", "dispatch"), ("dispatch", "off", "on")] * 2
+    # never two arms inside a unit at once; each round every arm once, the --arms order rotated by
+    # one arm each round, so every arm holds every place
+    rounds = [("on", "off", "dispatch"), ("off", "dispatch", "on"), ("dispatch", "on", "off"), ("on", "off", "dispatch")]
     assert units == [(arm, edge) for order in rounds for arm in order for edge in ("in", "out")]
     windows = sorted((w, arm) for arm, t in turns.items() for w in t.windows)
     assert len(windows) == 3 * (4 + 1)  # every unit and the finishing turn
@@ -760,7 +775,7 @@ def test_an_arm_dying_while_handed_the_turn_is_skipped(e2e, tmp_path):
     giver.join(timeout=10)
     assert e2e.Turns.state(tmp_path) == ("dispatch", 0)
     e2e.Turns.leave(tmp_path, "dispatch", order)  # the holder dies: its turn goes on at once, to the next
-    assert e2e.Turns.state(tmp_path) == ("on", 1)  # round's first alive (reversed: dispatch, off, on)
+    assert e2e.Turns.state(tmp_path) == ("on", 1)  # round's first alive (rotated: off, dispatch, on)
     e2e.Turns.leave(tmp_path, "on", order)  # the last one alive leaves: nobody is handed the turn
     assert e2e.Turns.state(tmp_path) == ("on", 1)
 
