@@ -108,6 +108,12 @@ def test_route_table_takes_the_faster_route_per_count():
     assert r.speedups() == [4.0, 2.0, 85.0 / 80.0]
 
 
+def test_the_co_serving_step_is_told_vllms_faster_backend_where_the_route_table_measured_it():
+    r = tune.route_table((1, 8, 64), (5.0, 20.0, 90.0), (30.0, 40.0, 80.0),
+                         {"marlin": (20.0, None, 100.0), "humming": (25.0, None, 85.0)})
+    assert tune.vllm_best_by_count(r) == {1: 20.0, 64: 85.0}  # nothing at 8: no cut can be made there
+
+
 def test_launch_table_entries_serve_every_count_up_to_their_own():
     from moe_grouped_decode.kernels.config import GroupedConfig
 

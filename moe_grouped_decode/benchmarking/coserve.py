@@ -7,14 +7,17 @@ config of ``candidates`` that tiles the layer's K and N is checked against the f
 reference (a wrong one is dropped, said why) and timed; the fastest is the count's entry, and
 its time is taken again for the table; then vLLM's backends on the same inputs, in the same
 process. Counts past the first where vLLM is as fast or faster are still measured (the table
-says where the kernel stops winning; the verdict keeps the window from 1).
+says where the kernel stops winning; the verdict keeps the window from 1), up to the first where
+the route table, measured before, has vLLM's faster backend under ``COSERVE_STOP_BELOW`` times the
+kernel's time: no window can reach past that count, so the counts above it are not measured
+(at a shape whose kernel loses from one token on, that saves the step's time but the first count).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .. import tables
 
@@ -28,6 +31,10 @@ COSERVE_CANDIDATES = ("4x4x2", "4x2x1", "4x4x1", "4x2x2", "8x2x2", "2x4x2", "4x4
 # the co-served kernel's output against the float64 reference, max |diff| / max |reference|: the
 # bounds the GPU tests hold the plugin's ops to (tests/test_cuda_ops.py)
 SCALED_DIFF_BOUND = {"fp16": 2e-3, "bf16": 16e-3}
+# vLLM's faster backend over the kernel, by the route table, under which a count ends the step: the
+# window needs tables.COSERVE_MARGIN by the step's own timing of vLLM, and two timings of vLLM's
+# kernels in one process (or two runs on one GPU) differ by far less than this gap
+COSERVE_STOP_BELOW = 0.85
 _CONFIG_TEXT = re.compile(r"(\d+)x(\d+)x(\d+)(?:r(\d+))?(s?)")
 
 
@@ -58,9 +65,12 @@ def launch_entries(best: Dict[int, dict]) -> tuple:
 
 
 def measure_coserve(measure, tokens: Sequence[int] = COSERVE_TOKENS, candidates: Sequence[str] = COSERVE_CANDIDATES,
-                    step: Callable[[str], None] = lambda what: None, log=print, generator: str = "") -> tables.CoserveTable:
+                    step: Callable[[str], None] = lambda what: None, log=print, generator: str = "",
+                    vllm_best_us: Optional[Dict[int, float]] = None) -> tables.CoserveTable:
     """The co-serving table of ``measure``'s shape (a ``tune.Measurement``: its layers, inputs,
-    clock and vLLM timer); ``step`` is called once per count and once for vLLM's backends."""
+    clock and vLLM timer); ``step`` is called once per count and once for vLLM's backends.
+    ``vllm_best_us``: vLLM's faster backend per count from the shape's route table, where known;
+    the counts past the first it puts out of reach are skipped (module docstring)."""
     import torch
 
     from ..kernels import device_facts
@@ -94,7 +104,8 @@ def measure_coserve(measure, tokens: Sequence[int] = COSERVE_TOKENS, candidates:
     coserved_us: List[float] = []
     best: Dict[int, dict] = {}
     inputs = {}
-    for M in tokens:
+    measured: List[int] = []
+    for n, M in enumerate(tokens):
         ids, tws, xs = inputs[M] = measure.inputs(M)
         want = reference_moe(xs[0], tws[0], ids[0], measure.layers[0]).to(torch.float64)
         times = {}
@@ -112,16 +123,24 @@ def measure_coserve(measure, tokens: Sequence[int] = COSERVE_TOKENS, candidates:
         again = measure.clock(lambda i, c=dict(configs)[fastest]: run(c, i, ids, tws, xs), measure.count(M),
                               ("coserve", M, fastest, "again"))
         coserved_us.append(again)
+        measured.append(M)
         best[M] = dataclasses.asdict(dict(configs)[fastest])
         step(f"co-served M={M}: {again:.1f} us ({fastest})")
+        vllm = (vllm_best_us or {}).get(M)
+        if vllm is not None and vllm < COSERVE_STOP_BELOW * again and n + 1 < len(tokens):
+            log(f"[coserve] M={M}: vLLM's route-table time {vllm:.1f} us is {vllm / again:.2f}x the kernel's, "
+                f"past any window: M={', '.join(map(str, tokens[n + 1:]))} not measured")
+            for skipped in tokens[n + 1:]:
+                step(f"co-served M={skipped}: not measured")
+            break
     vllm_us: Dict[str, tuple] = {}
-    for backend, times in measure.vllm_timer(inputs).items():
+    for backend, times in measure.vllm_timer({M: inputs[M] for M in measured}).items():
         if not isinstance(times, dict):
             log(f"[coserve] vLLM's {backend}: {times}")
             times = {}
-        vllm_us[backend] = tuple(times.get(M) for M in tokens)
-    step(f"vLLM's backends at {len(tokens)} counts")
-    return tables.CoserveTable(tokens=tuple(tokens), coserved_us=tuple(coserved_us), vllm_us=vllm_us,
+        vllm_us[backend] = tuple(times.get(M) for M in measured)
+    step(f"vLLM's backends at {len(measured)} counts")
+    return tables.CoserveTable(tokens=tuple(measured), coserved_us=tuple(coserved_us), vllm_us=vllm_us,
                                launch=launch_entries(best), generator=generator)
 
 

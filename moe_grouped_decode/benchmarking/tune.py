@@ -31,7 +31,8 @@ weights through one CUDA graph:
    faster when measured again as the op runs it;
 4. co-serve: at the first counts (``--coserve-tokens``), the plugin's grouped decode over vLLM's
    Marlin tensors (the tune's layers in Marlin's layout) under each of a few launch configs,
-   then vLLM's backends again on the same inputs (``coserve.py``): the co-serving table;
+   then vLLM's backends again on the same inputs (``coserve.py``): the co-serving table (its
+   counts end at the first where step 2 puts vLLM clearly ahead: no window reaches past it);
 5. decide: the grouped window (the longest run of counts from 1 where the grouped op is the
    faster route), the plugin's route and time per count, the verdict (``tables.verdict``:
    admitted only if faster than every vLLM backend at every count) and, for a shape not
@@ -570,8 +571,15 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
         best_prefill = refine_prefill(measure, timings, best_prefill, prefill_candidates, table_of, progress,
                                       time.time() + refine_budget_s, log, searched=prefill_searched)
     if coserve_tokens:
-        coserve = measure_coserve(measure, coserve_tokens, step=progress.step, log=log, generator=generator)
+        coserve = measure_coserve(measure, coserve_tokens, step=progress.step, log=log, generator=generator,
+                                  vllm_best_us=vllm_best_by_count(table_of(timings).routes))
     return table_of(timings), {"missing": missing, "timings": {m: dataclasses.asdict(t) for m, t in timings.items()}}
+
+
+def vllm_best_by_count(routes: tables.RouteTable) -> Dict[int, float]:
+    """vLLM's faster backend per count a route table measured it at."""
+    best = {m: routes.vllm_best_us(i) for i, m in enumerate(routes.tokens)}
+    return {m: us for m, us in best.items() if us is not None}
 
 
 def compile_jobs(shape, grouped_search: Sequence[int], grouped_candidates: Sequence, prefill_search: Sequence[int],
@@ -829,7 +837,8 @@ def run(args, spec: LayerSpec) -> int:
     directory = tables.SHIPPED_DIR if args.ship else tables.cache_dir(ver)
     if args.coserve_only:
         progress = Progress(len(args.coserve_tokens) + 1)
-        coserve = measure_coserve(measure, args.coserve_tokens, step=progress.step, generator=command)
+        coserve = measure_coserve(measure, args.coserve_tokens, step=progress.step, generator=command,
+                                  vllm_best_us=vllm_best_by_count(table.routes))
         table = dataclasses.replace(table, coserve=coserve)
         extra = {"missing": {}}
     else:
