@@ -25,9 +25,10 @@ from .. import tables
 COSERVE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 # w13 warps x w13 chunks x w2 warps, then "rR": R row warps per W2 column warp, and a trailing "s":
 # the combine as a launch of its own. The row-warp configs are there for one to few tokens, where
-# W2 has only R x K / 128 programs, each walking all of N in turn
+# W2 has only R x K / 128 programs, each walking all of N in turn; the one-warp W13s add their
+# warps' partials in registers, not through shared memory as two or more warps do
 COSERVE_CANDIDATES = ("4x4x2", "4x2x1", "4x4x1", "4x2x2", "8x2x2", "2x4x2", "4x4x4", "4x2x1s", "2x4x2r2", "2x4x2r4",
-                      "2x4x1r4", "4x4x1r4")
+                      "2x4x1r4", "4x4x1r4", "1x8x2", "1x4x2")
 # the co-served kernel's output against the float64 reference, max |diff| / max |reference|: the
 # bounds the GPU tests hold the plugin's ops to (tests/test_cuda_ops.py)
 SCALED_DIFF_BOUND = {"fp16": 2e-3, "bf16": 16e-3}
