@@ -19,7 +19,8 @@ it). Arm ``on`` runs with ``MOE_GROUPED_DECODE=1`` (fails at startup if the
 grouped route cannot run), arm ``off`` with ``MOE_GROUPED_DECODE=0`` (vLLM's own
 MoE method), the optional arm ``force`` with ``MOE_GROUPED_DECODE_FORCE=1`` as well
 (the plugin on every layer its ops compute, even where no table admits the shape:
-there ``on`` is vLLM's own backend, as the report's "served by" lines say; a
+there ``on`` is vLLM's own backend, or co-serves the layer where its table gives a
+window, as the report's "served by" lines say; a
 shape without a contract takes the plugin's prefill route at every M, and a
 contract written by hand in ``MOE_GROUPED_DECODE_CONTRACTS``, which the arms
 inherit, gives it a grouped window), and the optional arm ``dispatch`` with
@@ -84,9 +85,10 @@ once the on and off arm files are there). One command per model; each also with
     # Qwen3-Next-80B-A3B's MoE at TP1 (in a Qwen3-MoE body: no shared expert, no linear attention)
     python benchmarks/e2e_vllm.py --shape 512,10,2048,512,128 --name qwen3-next-tp1 --heads 16 --kv-heads 2 \
         --head-dim 256 --arms on,off,force --out /tmp/e2e-qwen3-next
-    # ... co-served where its table gives a window (H100: 1..2 tokens), against vLLM alone
-    python benchmarks/e2e_vllm.py --shape 512,10,2048,512,128 --name qwen3-next-tp1 --heads 16 --kv-heads 2 \
-        --head-dim 256 --arms on,off,coserve --out /tmp/e2e-qwen3-next-coserve
+    # ... co-served where its table gives a window (H100: 1..2 tokens), against vLLM alone; "on" co-serves
+    # too unless co-serving is off in the caller's environment, which then isolates the co-served share
+    MOE_GROUPED_DECODE_COSERVE=0 python benchmarks/e2e_vllm.py --shape 512,10,2048,512,128 --name qwen3-next-tp1 \
+        --heads 16 --kv-heads 2 --head-dim 256 --arms on,off,coserve --out /tmp/e2e-qwen3-next-coserve
     # Qwen3-235B-A22B at TP4, one rank (K=4096)
     python benchmarks/e2e_vllm.py --shape 128,8,4096,384,128 --name qwen3-235b-tp4 --heads 16 --kv-heads 1 \
         --arms on,off,force --out /tmp/e2e-qwen3-235b
@@ -637,11 +639,13 @@ def switches(arm: str) -> str:
 def run_arm(args, arm: str) -> int:
     """The child: one fresh vLLM engine, every measurement, ``arm-<arm>.json``."""
     out = Path(args.out)
-    result: dict = {"arm": arm, "switch": dict(ARMS[arm]), "errors": []}
+    # how it ran, for a report rebuilt later (--report-only) to say
+    result: dict = {"arm": arm, "switch": dict(ARMS[arm]), "errors": [], "caches": args.caches}
     path = out / f"arm-{arm}.json"
     turns = Turns(Path(args.turn_dir) if args.turn_dir else None, arm, args.turn_arms or [arm], args.turn_settle_s)
     if args.turn_dir:
         result["paired"] = list(args.turn_arms)
+        result["turn_order"] = "rotated"
         result["paired_run"] = args.turn_dir  # the turn directory: one per --paired run
         result["turn_windows"] = turns.windows  # saved as they grow
 
@@ -1151,6 +1155,9 @@ def build_report(out: Path, meta: dict) -> dict:
         "device": on.get("device"),
         "versions": on.get("versions"),
         "paired": paired_arms(arms, "on", "off"),  # the arms that ran side by side, taking turns (--paired)
+        # what the arms record of how they ran (None: an arm file from before they recorded it)
+        "caches": _agreed(arms, "caches"),
+        "turn_order": _agreed(arms, "turn_order"),
         "engine": {arm: data.get("engine") for arm, data in arms.items()},
         "moe_backends": {arm: moe_backends(data["log"].get("plugin_lines") or []) for arm, data in arms.items()},
         "decode": compare_decode(arms, "on", "off"),
@@ -1176,6 +1183,12 @@ def build_report(out: Path, meta: dict) -> dict:
             "teacher_forced": teacher_forced_report(data.get("teacher_forced", {}), off.get("teacher_forced", {})),
         }
     return report
+
+
+def _agreed(arms: dict, key: str):
+    """The value every arm file records under ``key``, or None where one has none or they differ."""
+    values = {json.dumps(data.get(key)) for data in arms.values()}
+    return json.loads(values.pop()) if len(values) == 1 else None
 
 
 def _fmt(value, digits=2) -> str:
@@ -1347,11 +1360,12 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         f"Engine (on): {report['engine'].get('on')}.",
         f"Command: `{meta.get('command')}`.", "",
         *([f"Arms {', '.join(report['paired'])} side by side (`--paired`): their engines up at once on this device, "
-           "each timed unit (a decode or TTFT repeat, a profiled pass) taken in turns, one unit an arm a round, the "
-           "order rotated by one arm each round, so the host's "
-           "drift between minutes weighs on every arm alike.", ""] if report.get("paired") else []),
+           "each timed unit (a decode or TTFT repeat, a profiled pass) taken in turns, one unit an arm a round, "
+           + ("the order rotated by one arm each round" if report.get("turn_order") == "rotated" else
+              "the order reversed every other round (arm files from before the rotation)")
+           + ", so the host's drift between minutes weighs on every arm alike.", ""] if report.get("paired") else []),
         "MoE layers served by (the plugin's startup lines; where the plugin leaves a shape to vLLM, 'on' runs "
-        "vLLM's own backend as 'off' does):", "",
+        "vLLM's own backend as 'off' does, or co-serves it where its table gives a window):", "",
     ]
     lines += [f"- {arm}: " + "; ".join(served) for arm, served in report.get("moe_backends", {}).items()]
     if report["decode"]:
@@ -1378,7 +1392,8 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
     startup_arms = list(report["startup"])
     caches = {"per-arm": " each arm with its own empty compile caches, a cold start;",
               "shared": " the caches shared, so the first arm to start compiled for the others;"}.get(
-        report["meta"].get("caches"), "")
+        report.get("caches"), " the caches shared, as before the arms recorded them: the first arm to start "
+                              "compiled for the others;")
     lines += ["", f"Startup ({caches} from vLLM's log where not measured here):".replace("( ", "("), "",
               "| | " + " | ".join(startup_arms) + " |", "| --- |" + " --- |" * len(startup_arms)]
     for label, key in rows:
@@ -1636,9 +1651,10 @@ def parse_args(argv=None):
                         help="seconds before an arm is killed (default 1500; --paired: for all arms together, "
                              "default 1500 an arm)")
     parser.add_argument("--caches", choices=("per-arm", "shared"), default="per-arm",
-                        help="compile caches (vLLM's, Inductor's, Triton's, the CUDA driver's): per-arm, each arm's empty at its start "
-                             "and removed after, so every arm's startup is a cold one; shared, the user's own, where "
-                             "the first arm to start warms them for the others")
+                        help="compile caches (vLLM's, Inductor's, Triton's, the CUDA driver's): per-arm, each arm's "
+                             "own, empty at its start and removed at the run's end, so every arm starts cold in "
+                             "these (not in caches of others, e.g. FlashInfer's JIT); shared, the user's own, "
+                             "which the first arm to start fills for the others")
     parser.add_argument("--report-only", action="store_true", help="only rebuild e2e.json/md/png from the arm files in --out")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke test: tiny 2-layer model, small cells")
     parser.add_argument("--child", choices=tuple(ARMS), help=argparse.SUPPRESS)
@@ -1738,7 +1754,6 @@ def main(argv=None) -> int:
         **{k: getattr(args, k) for k in ("phases", "decode_prompt", "decode_tokens", "profile_tokens", "repeats",
                                            "agree_seqs", "agree_tokens", "tf_seqs", "tf_tokens", "concurrency",
                                            "ttft_prompts", "max_model_len", "layers")},
-        "caches": args.caches,
         "kernel_table_concurrency": 8 if 8 in args.profile_concurrency else args.profile_concurrency[0],
     }
     rc = 0

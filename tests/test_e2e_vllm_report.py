@@ -763,6 +763,25 @@ def test_paired_option_reaches_the_arms_and_the_report(e2e, tmp_path):
         e2e.run_paired(greedy, ["on", "off"], tmp_path / "log.json", tmp_path / "turns2", 0.0)
 
 
+def test_the_report_says_how_the_arms_ran_from_their_own_files(e2e, tmp_path):
+    """Caches and turn order come from the arm files, so a report rebuilt later (--report-only, or
+    arm files from before either was recorded) says what the run did, not today's defaults."""
+    def text_of(recorded):
+        for arm in ("on", "off"):
+            data = _arm(arm, {1: 400.0}, {1: 2.4}, {512: 20.0})
+            data.update(paired=["on", "off"], paired_run="/tmp/turns-a", **recorded)
+            (tmp_path / f"arm-{arm}.json").write_text(json.dumps(data))
+        return e2e.markdown(e2e.build_report(tmp_path, {"command": "e2e_vllm.py --paired", "model": "tiny"}))
+
+    text = text_of({"caches": "per-arm", "turn_order": "rotated"})
+    assert "Startup (each arm with its own empty compile caches, a cold start; from vLLM's log" in text
+    assert "the order rotated by one arm each round, so the host's drift" in text
+    old = text_of({})
+    assert "Startup (the caches shared, as before the arms recorded them: the first arm to start compiled" in old
+    assert "the order reversed every other round (arm files from before the rotation)" in old
+    assert "Startup (the caches shared, so the first arm" in text_of({"caches": "shared", "turn_order": "rotated"})
+
+
 def test_an_arm_dying_while_handed_the_turn_is_skipped(e2e, tmp_path):
     """The parent marks a dead arm while another arm waits out the settle before handing it the
     turn: the turn goes to the next arm alive, never to the dead one."""

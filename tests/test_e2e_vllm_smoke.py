@@ -191,7 +191,7 @@ def test_paired_arms_took_turns(smoke):
     # startup, 3 decode cells, 2 TTFT prompts, agreement, 2 teacher-forced passes, 3 profiled passes, finishing
     rounds = 1 + 3 + 2 + 1 + 2 + 3 + 1
     assert len(windows) == 2 * rounds
-    # round r: unit r of each arm, in --arms order in even rounds and reversed in odd ones
+    # round r: unit r of each arm, the --arms order rotated by r arms (for two arms: reversed in odd rounds)
     assert [(arm, round_) for _, _, arm, round_ in windows] == [
         (arm, r) for r in range(rounds) for arm in (("on", "off") if r % 2 == 0 else ("off", "on"))]
     for (_, end, _, _), (start, _, _, _) in zip(windows, windows[1:]):

@@ -2,9 +2,10 @@
 
 import pytest
 
-from moe_grouped_decode.env import (GLUON_W13_ENV, GROUPED_DECODE_ENV, LEGACY_ENV_NAMES, SWITCH_ENVS, TUNE_ENV,
-                                    GroupedDecodeMode, gluon_w13_enabled, grouped_decode_mode, legacy_names_in_use,
-                                    switch_setting, tune_enabled, without_switches)
+from moe_grouped_decode.env import (COSERVE_ENV, GLUON_W13_ENV, GROUPED_DECODE_ENV, LEGACY_ENV_NAMES, SWITCH_ENVS,
+                                    TUNE_ENV, GroupedDecodeMode, coserve_enabled, gluon_w13_enabled,
+                                    grouped_decode_mode, legacy_names_in_use, switch_setting, tune_enabled,
+                                    without_switches)
 
 
 @pytest.fixture(autouse=True)
@@ -58,6 +59,12 @@ def test_tune_default_off(monkeypatch, value, enabled):
 def test_gluon_w13_default_on(monkeypatch, value, enabled):
     set_or_unset(monkeypatch, GLUON_W13_ENV, value)
     assert gluon_w13_enabled() is enabled
+
+
+@pytest.mark.parametrize("value,enabled", [(None, True), ("1", True), ("0", False)])
+def test_co_serving_default_on(monkeypatch, value, enabled):
+    set_or_unset(monkeypatch, COSERVE_ENV, value)
+    assert coserve_enabled() is enabled
 
 
 def test_gluon_switch_rejects_unknown_values(monkeypatch):
