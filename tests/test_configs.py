@@ -155,7 +155,11 @@ def test_autotune_can_find_the_table_configs(family):
 
 def test_candidates_name_the_gluon_kernels_only_where_they_run():
     gluon, tl = config.grouped_candidates((9, 0), "gluon"), config.grouped_candidates((9, 0), "tl")
-    assert len(gluon) == 90 and len(tl) == 30
+    # 9 W13 x 10 W2 and 5 x 6, and in each family the default over the sort's groups (1 and 2 blocks,
+    # with and without the register cap)
+    assert len(gluon) == 90 + 4 and len(tl) == 30 + 4
+    assert {(c.group_blocks, c.w2_max_registers) for c in gluon + tl if c.w13_over_groups} == {
+        (1, 0), (1, 128), (2, 0), (2, 128)}
     assert {(c.w13_kernel, c.w2_kernel) for c in tl} == {("tl", "tl")}
     assert {c.w13_kernel for c in gluon} == {"gluon"} and {c.w13_ring_stages for c in gluon} == {2, 3, 4}
     gluon_w2 = {(c.w2_warps, c.w2_max_registers, c.w2_copy_ahead, c.max_shared_carveout)

@@ -434,7 +434,8 @@ def grouped_candidates(capability: Tuple[int, int], kernels: str) -> Tuple[Group
     split masks its chunks past K) through rings 2, 3 and 4 deep, against the tl W2 with 4- and
     8-warp programs, the 4-warp Gluon W2 (three chunks ahead, the largest carveout: it runs beside
     W13) and the 8-warp Gluon W2 (two ahead); with the tl kernels, the tl W13's splits and the tl
-    W2. The table's entries are among them."""
+    W2. Both also try the default over the sort's groups (one and two 8-row blocks a program), as
+    `tune` does. The tables' entries are among them."""
     capped = bool(GroupedConfig(w2_max_registers=128).w2_compile_options(capability))
 
     def caps(*values):  # 0 (the compiler's choice) and, where a cap applies, the table's caps
@@ -451,4 +452,7 @@ def grouped_candidates(capability: Tuple[int, int], kernels: str) -> Tuple[Group
         w2 += [dict(w2_kernel="gluon", w2_warps=4, w2_max_registers=cap, w2_copy_ahead=3, max_shared_carveout=True)
                for cap in caps(96, 128)]
         w2 += [dict(w2_kernel="gluon", w2_warps=8, w2_max_registers=0)]
-    return tuple(GroupedConfig(**a, **b) for a in w13 for b in w2)
+    over_groups = [dataclasses.replace(GroupedConfig() if kernels == "gluon" else GroupedConfig().as_tl(),
+                                       w13_over_groups=True, group_blocks=blocks, w2_max_registers=cap)
+                   for blocks in (1, 2) for cap in caps(128)]
+    return tuple(dict.fromkeys([GroupedConfig(**a, **b) for a in w13 for b in w2] + over_groups))
