@@ -1150,14 +1150,15 @@ def build_report(out: Path, meta: dict) -> dict:
     startup = {arm: {**data.get("timing", {}), **{k: v for k, v in data["log"].items()
                                                    if k.endswith(("_s", "_gib", "_vllm")) or k == "capture_phases"}}
                for arm, data in arms.items()}
+    paired = paired_arms(arms, "on", "off")
     report = {
         "meta": meta,
         "device": on.get("device"),
         "versions": on.get("versions"),
-        "paired": paired_arms(arms, "on", "off"),  # the arms that ran side by side, taking turns (--paired)
-        # what the arms record of how they ran (None: an arm file from before they recorded it)
-        "caches": _agreed(arms, "caches"),
-        "turn_order": _agreed(arms, "turn_order"),
+        "paired": paired,  # the arms that ran side by side, taking turns (--paired)
+        # what the arm files record of how they ran (arms of one --out may come from several runs)
+        "caches": {arm: data.get("caches") for arm, data in arms.items()},
+        "turn_order": _agreed({arm: arms[arm] for arm in paired or ()}, "turn_order"),
         "engine": {arm: data.get("engine") for arm, data in arms.items()},
         "moe_backends": {arm: moe_backends(data["log"].get("plugin_lines") or []) for arm, data in arms.items()},
         "decode": compare_decode(arms, "on", "off"),
@@ -1186,9 +1187,22 @@ def build_report(out: Path, meta: dict) -> dict:
 
 
 def _agreed(arms: dict, key: str):
-    """The value every arm file records under ``key``, or None where one has none or they differ."""
+    """The value every one of ``arms`` records under ``key``; None where one has none, they differ
+    or there are none."""
     values = {json.dumps(data.get(key)) for data in arms.values()}
     return json.loads(values.pop()) if len(values) == 1 else None
+
+
+def caches_phrase(caches: Dict[str, Optional[str]]) -> str:
+    """How the arms' compile caches were set up, as their files record it."""
+    said = {"per-arm": "each arm with its own empty compile caches, a cold start",
+            "shared": "the caches shared, so the first arm to start compiled for the others"}
+    kinds = set(caches.values())
+    if len(kinds) == 1 and None not in kinds:
+        return said[kinds.pop()]
+    if kinds == {None}:
+        return "compile caches not recorded by the arm files"
+    return "compile caches per arm file: " + ", ".join(f"{arm} {kind or 'not recorded'}" for arm, kind in caches.items())
 
 
 def _fmt(value, digits=2) -> str:
@@ -1362,7 +1376,7 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         *([f"Arms {', '.join(report['paired'])} side by side (`--paired`): their engines up at once on this device, "
            "each timed unit (a decode or TTFT repeat, a profiled pass) taken in turns, one unit an arm a round, "
            + ("the order rotated by one arm each round" if report.get("turn_order") == "rotated" else
-              "the order reversed every other round (arm files from before the rotation)")
+              "the order not recorded by the arm files (before the rotation: reversed every other round)")
            + ", so the host's drift between minutes weighs on every arm alike.", ""] if report.get("paired") else []),
         "MoE layers served by (the plugin's startup lines; where the plugin leaves a shape to vLLM, 'on' runs "
         "vLLM's own backend as 'off' does, or co-serves it where its table gives a window):", "",
@@ -1390,11 +1404,7 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
             ("CUDA-graph capture, s (log timestamps)", "capture_s"), ("CUDA-graph capture, s (vLLM's rounded line)", "capture_s_vllm"),
             ("CUDA graphs, GiB", "capture_gib")]
     startup_arms = list(report["startup"])
-    caches = {"per-arm": " each arm with its own empty compile caches, a cold start;",
-              "shared": " the caches shared, so the first arm to start compiled for the others;"}.get(
-        report.get("caches"), " the caches shared, as before the arms recorded them: the first arm to start "
-                              "compiled for the others;")
-    lines += ["", f"Startup ({caches} from vLLM's log where not measured here):".replace("( ", "("), "",
+    lines += ["", f"Startup ({caches_phrase(report.get('caches') or {})}; from vLLM's log where not measured here):", "",
               "| | " + " | ".join(startup_arms) + " |", "| --- |" + " --- |" * len(startup_arms)]
     for label, key in rows:
         lines.append(f"| {label} | " + " | ".join(_fmt(report["startup"][arm].get(key)) for arm in startup_arms) + " |")

@@ -777,9 +777,16 @@ def test_the_report_says_how_the_arms_ran_from_their_own_files(e2e, tmp_path):
     assert "Startup (each arm with its own empty compile caches, a cold start; from vLLM's log" in text
     assert "the order rotated by one arm each round, so the host's drift" in text
     old = text_of({})
-    assert "Startup (the caches shared, as before the arms recorded them: the first arm to start compiled" in old
-    assert "the order reversed every other round (arm files from before the rotation)" in old
+    assert "Startup (compile caches not recorded by the arm files; from vLLM's log" in old
+    assert "the order not recorded by the arm files (before the rotation: reversed every other round)" in old
     assert "Startup (the caches shared, so the first arm" in text_of({"caches": "shared", "turn_order": "rotated"})
+    # a later arm of another run in the same --out: the paired arms' order stands, the caches are told apart
+    text = text_of({"caches": "per-arm", "turn_order": "rotated"})
+    force = _arm("force", {1: 400.0}, {1: 2.4}, {512: 20.0}) | {"caches": "shared"}
+    (tmp_path / "arm-force.json").write_text(json.dumps(force))
+    mixed = e2e.markdown(e2e.build_report(tmp_path, {"command": "e2e_vllm.py", "model": "tiny"}))
+    assert "the order rotated by one arm each round" in mixed
+    assert "Startup (compile caches per arm file: on per-arm, off per-arm, force shared; from" in mixed
 
 
 def test_an_arm_dying_while_handed_the_turn_is_skipped(e2e, tmp_path):
