@@ -668,13 +668,13 @@ def grouped_candidates(capability, family: str) -> list:
     """The grouped op's search space for a new shape: every config the shipped tables hold for this
     kernel family, the default with W13 splits of 128, 256 and 512 rows, per routed row and over
     the sort's groups (one and two 8-row blocks a program)."""
-    from ..kernels.config import GroupedConfig, config_from_fields
+    from ..kernels.config import GroupedConfig, config_from_fields, over_groups_candidates
 
     found = [config_from_fields(e["config"]) for t in tables.shipped_tables() for e in t.grouped
              if e.get("kernels") == family]
     base = GroupedConfig() if family == "gluon" else GroupedConfig().as_tl()
     found += [dataclasses.replace(base, w13_block_k=rows) for rows in (256, 128, 512)]
-    found += [dataclasses.replace(base, w13_over_groups=True, group_blocks=blocks) for blocks in (1, 2)]
+    found += over_groups_candidates(family)
     return list(dict.fromkeys(c for c in found if c is not None))
 
 

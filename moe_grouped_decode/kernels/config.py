@@ -24,7 +24,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from .. import tables as measured_tables
 
@@ -453,7 +453,11 @@ def grouped_candidates(capability: Tuple[int, int], kernels: str) -> Tuple[Group
         w2 += [dict(w2_kernel="gluon", w2_warps=4, w2_max_registers=cap, w2_copy_ahead=3, max_shared_carveout=True)
                for cap in caps(96, 128)]
         w2 += [dict(w2_kernel="gluon", w2_warps=8, w2_max_registers=0)]
-    over_groups = [dataclasses.replace(GroupedConfig() if kernels == "gluon" else GroupedConfig().as_tl(),
-                                       w13_over_groups=True, group_blocks=blocks)
-                   for blocks in (1, 2)]
-    return tuple(dict.fromkeys([GroupedConfig(**a, **b) for a in w13 for b in w2] + over_groups))
+    return tuple([GroupedConfig(**a, **b) for a in w13 for b in w2] + over_groups_candidates(kernels))
+
+
+def over_groups_candidates(kernels: str) -> List[GroupedConfig]:
+    """The default run over the sort's groups, one and two 8-row blocks a program (searched by the
+    autotune and by `tune`)."""
+    base = GroupedConfig() if kernels == "gluon" else GroupedConfig().as_tl()
+    return [dataclasses.replace(base, w13_over_groups=True, group_blocks=blocks) for blocks in (1, 2)]
