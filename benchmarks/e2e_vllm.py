@@ -28,7 +28,9 @@ inherit, gives it a grouped window), and the optional arm ``dispatch`` with
 dispatch: the direct launches' share of the host time), and the optional arm ``coserve`` with
 ``MOE_GROUPED_DECODE_COSERVE=1`` (a declined layer stays on vLLM's Marlin, the plugin's kernel on
 its tensors at its table's co-serving window: the plugin's default, so ``on`` co-serves too
-unless the caller's environment turns it off). Each arm is a fresh Python process; it
+unless the caller's environment turns it off), and the optional arm ``stock``: vLLM with no
+plugin loaded (``VLLM_PLUGINS`` empty), as a user without the plugin runs it, beside ``off``
+(the plugin installed and switched off). Each arm is a fresh Python process; it
 measures, in this order (``--phases`` picks some of decode, ttft, agreement, teacher_forced,
 profile: 2 to 6 below):
 
@@ -37,7 +39,9 @@ profile: 2 to 6 below):
 2. decode at each concurrency C (``--concurrency``): C requests at once,
    ``--decode-tokens`` greedy tokens each; mean inter-token latency from vLLM's
    per-request engine timestamps and decode tokens/s = C / ITL;
-3. time to first token of one ``--ttft-prompts``-token prompt at a time;
+3. time to first token of one ``--ttft-prompts``-token prompt at a time, each after
+   ``--ttft-warm`` untimed requests of its length (with ``--paired``, in the same turn: the
+   engine has idled through the other arms' turns);
 4. greedy agreement: ``--agree-seqs`` prompts, ``--agree-tokens`` tokens with the
    top-2 logprobs at every position (on random weights greedy runs part at
    near-ties, so this counts divergences and shows their margins);
@@ -137,6 +141,8 @@ ARMS = {
     "force": {"MOE_GROUPED_DECODE": "1", "MOE_GROUPED_DECODE_FORCE": "1"},
     "dispatch": {"MOE_GROUPED_DECODE": "1", "MOE_GROUPED_DECODE_DIRECT_LAUNCH": "0"},
     "coserve": {"MOE_GROUPED_DECODE": "1", "MOE_GROUPED_DECODE_COSERVE": "1"},
+    # vLLM's plugin filter names no plugin: vLLM as a user without the plugin runs it
+    "stock": {"VLLM_PLUGINS": ""},
 }
 # the optional arms, each compared with "off" where its file is there: (heading, what it measures)
 EXTRA_ARMS = {
@@ -148,8 +154,12 @@ EXTRA_ARMS = {
     "coserve": ("Co-served (MOE_GROUPED_DECODE_COSERVE=1) vs off",
                 "Layers the plugin declines stay with vLLM on its Marlin backend, and the plugin's kernel "
                 "reads the same tensors at the token counts of their table's co-serving window."),
+    "stock": ("Stock vLLM (the plugin not loaded) vs off",
+              "vLLM without the plugin (VLLM_PLUGINS names no plugin), its own AWQ config and MoE backend: beside "
+              "'off', what the plugin installed and switched off costs; 'off' is the baseline of the tables above."),
 }
 REPORT_ARMS = ("on", "off")
+PLUGIN_NAME = "moe_grouped_decode"  # the plugin's vllm.general_plugins entry point
 PHASES = ("decode", "ttft", "agreement", "teacher_forced", "profile")  # what an arm measures, in this order
 DEFAULT_SHAPE = (512, 10, 2560, 160, 32)  # qwen3.8 at TP4: one rank's shard
 CHECKPOINT_FORMAT = 2  # bump when the generated tensors change
@@ -633,7 +643,7 @@ def prompt_logprob_rows(sequence: List[int], prompt_logprobs) -> dict:
 
 
 def switches(arm: str) -> str:
-    return " ".join(f"{k}={v}" for k, v in ARMS[arm].items())
+    return " ".join(f"{k}={v!r}" if v == "" else f"{k}={v}" for k, v in ARMS[arm].items())
 
 
 def run_arm(args, arm: str) -> int:
@@ -756,10 +766,15 @@ def run_arm(args, arm: str) -> int:
             values, parts = [], []
             for r in range(args.repeats):
                 with turns.turn():
+                    # the engine has idled through the other arms' turns: its first request after
+                    # that wakes sleeping threads and cold caches, at random cost to either arm
+                    for w in range(args.ttft_warm):
+                        generate(token_prompts(1, length, vocab, seed=25_000 + 97 * length + 7 * r + w), greedy(1))
                     (output,) = generate(token_prompts(1, length, vocab, seed=20_000 + length + r), greedy(2))
                 values.append(1000 * output.metrics.first_token_latency)
                 parts.append(ttft_parts(output.metrics))
             cells.append({"prompt_tokens": length, "ttft_ms": round(statistics.median(values), 3),
+                          "warm_requests": args.ttft_warm,
                           "ttft_ms_repeats": [round(v, 3) for v in values],
                           "parts_ms": {k: round(statistics.median(p[k] for p in parts), 3) for k in TTFT_PARTS}})
             progress(arm, f"TTFT {length} tokens: {cells[-1]['ttft_ms']} ms (repeats {cells[-1]['ttft_ms_repeats']})")
@@ -1101,6 +1116,17 @@ def paired_arms(arms: dict, a: str, b: str) -> Optional[List[str]]:
     return None
 
 
+def warm_phrase(cells: List[dict]) -> str:
+    """What ran just before each timed TTFT request, as the arm files recorded it."""
+    counts = {n for cell in cells for n in (cell.get("warm_requests") or {None: None}).values()}
+    if counts == {0}:
+        return "each timed request the engine's first in its turn"
+    if len(counts) == 1 and None not in counts:
+        (n,) = counts
+        return f"each after {n} untimed request(s) of its length in the same turn"
+    return "untimed requests before each: " + ("not recorded" if counts == {None} else "differ between the arms")
+
+
 def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
     """Per prompt length, the time to first token of arm ``a`` against arm ``b`` and each arm's
     profiled prefill; a length profiled in both arms but not timed in both comes with its TTFT
@@ -1119,6 +1145,7 @@ def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
         row_a, row_b = ttft[a].get(length), ttft[b].get(length)
         if row_a is not None and row_b is not None:
             cell = {"prompt_tokens": length, f"{a}_ms": row_a["ttft_ms"], f"{b}_ms": row_b["ttft_ms"],
+                    "warm_requests": {a: row_a.get("warm_requests"), b: row_b.get("warm_requests")},
                     f"{a}_over_{b}": round(row_a["ttft_ms"] / row_b["ttft_ms"], 3),
                     f"{a}_repeats": row_a.get("ttft_ms_repeats"), f"{b}_repeats": row_b.get("ttft_ms_repeats")}
             runs_a, runs_b = cell[f"{a}_repeats"] or [], cell[f"{b}_repeats"] or []
@@ -1160,7 +1187,10 @@ def build_report(out: Path, meta: dict) -> dict:
         "caches": {arm: data.get("caches") for arm, data in arms.items()},
         "turn_order": _agreed({arm: arms[arm] for arm in paired or ()}, "turn_order"),
         "engine": {arm: data.get("engine") for arm, data in arms.items()},
-        "moe_backends": {arm: moe_backends(data["log"].get("plugin_lines") or []) for arm, data in arms.items()},
+        "moe_backends": {arm: (moe_backends(data["log"].get("plugin_lines") or []) if arm != "stock" else
+                               [f"vLLM alone, the plugin not loaded (quantization "
+                                f"{(data.get('engine') or {}).get('quantization')})"])
+                         for arm, data in arms.items()},
         "decode": compare_decode(arms, "on", "off"),
         "ttft": compare_ttft(arms, "on", "off"),
         "startup": startup,
@@ -1394,7 +1424,8 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         lines += decode_table(report["decode"], "on", "off", host_bound_below)
     if report["ttft"]:
         if any(cell.get("on_ms") is not None for cell in report["ttft"]):
-            lines += ["", f"Time to first token, one request at a time, prefix caching off (median of "
+            lines += ["", f"Time to first token, one request at a time, prefix caching off, "
+                      f"{warm_phrase(report['ttft'])} (median of "
                       f"{meta.get('repeats')}; every run in brackets"
                       + ("; a pair is the two arms' runs of one round of turns, so the host's drift "
                          "cancels within it" if report.get("paired") else "") + "):"]
@@ -1526,6 +1557,9 @@ def arm_environment(args, arm: str, log_config: Path) -> dict:
     env.pop(FORCE_ENV, None)
     env.pop(DIRECT_LAUNCH_ENV, None)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default engine: multiprocess
+    allowed = env.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in allowed.split(","):  # the caller's filter would drop the plugin
+        env["VLLM_PLUGINS"] = ",".join([name for name in allowed.split(",") if name] + [PLUGIN_NAME])
     env.update({**ARMS[arm], "VLLM_LOGGING_CONFIG_PATH": str(log_config), "PYTHONUNBUFFERED": "1"})
     if args.caches == "per-arm":
         # vLLM's compile cache is keyed by the model and config, not the plugin's switches, so with
@@ -1629,6 +1663,9 @@ def parse_args(argv=None):
     parser.add_argument("--decode-prompt", type=int, default=None, help="prompt tokens of a decode request (default 128)")
     parser.add_argument("--decode-tokens", type=int, default=None, help="greedy tokens per decode request (default 128)")
     parser.add_argument("--profile-tokens", type=int, default=None, help="tokens per request in the profiled pass (default 24)")
+    parser.add_argument("--ttft-warm", type=int, default=1,
+                        help="untimed requests of the same length just before each timed TTFT request, in its turn "
+                             "(0: the timed request is the engine's first after the other arms' turns)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per decode/TTFT cell, median reported (default 3)")
     parser.add_argument("--agree-seqs", type=int, default=None, help="sequences compared on vs off (default 64)")
     parser.add_argument("--agree-tokens", type=int, default=None, help="greedy tokens per compared sequence (default 32)")

@@ -338,7 +338,8 @@ def test_report_files_from_made_up_arms(e2e, tmp_path):
                                  "on_host_ops": [["aten::mm", 5.0, 48], ["only_on", 2.5, 1]],
                                  "off_host_ops": [["aten::mm", 3.75, 48], ["only_off", 1.875, 1]],
                                  "on_parts_ms": {"queued": 0.5, "scheduled_to_token": 17.0, "outside_core": 2.5},
-                                 "off_parts_ms": {"queued": 0.5, "scheduled_to_token": 12.0, "outside_core": 2.5}}
+                                 "off_parts_ms": {"queued": 0.5, "scheduled_to_token": 12.0, "outside_core": 2.5},
+                                 "warm_requests": {"on": None, "off": None}}  # arm files from before it was kept
     assert report["startup"]["on"]["capture_s"] == 12.5 and "capture_s" not in report["startup"]["off"]  # no log
     assert report["agreement"]["identical"] == 1
     text = e2e.markdown(report)
@@ -642,6 +643,49 @@ def test_forced_arm_environment(e2e, monkeypatch, tmp_path):
     dispatch = e2e.arm_environment(args, "dispatch", tmp_path / "log.json")
     assert (dispatch["MOE_GROUPED_DECODE"], dispatch["MOE_GROUPED_DECODE_DIRECT_LAUNCH"]) == ("1", "0")
     assert "MOE_GROUPED_DECODE_FORCE" not in dispatch
+
+
+def test_stock_arm_environment(e2e, monkeypatch, tmp_path):
+    """The stock arm loads no plugin; every other arm loads this one even through a caller's filter."""
+    args = e2e.parse_args(["--out", str(tmp_path)])
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert e2e.arm_environment(args, "stock", tmp_path / "log.json")["VLLM_PLUGINS"] == ""
+    assert "VLLM_PLUGINS" not in e2e.arm_environment(args, "on", tmp_path / "log.json")
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    assert e2e.arm_environment(args, "off", tmp_path / "log.json")["VLLM_PLUGINS"] == "other,moe_grouped_decode"
+    assert e2e.arm_environment(args, "stock", tmp_path / "log.json")["VLLM_PLUGINS"] == ""
+    monkeypatch.setenv("VLLM_PLUGINS", "moe_grouped_decode,other")
+    assert e2e.arm_environment(args, "on", tmp_path / "log.json")["VLLM_PLUGINS"] == "moe_grouped_decode,other"
+    assert e2e.switches("stock") == "VLLM_PLUGINS=''"
+
+
+def test_report_with_a_stock_arm_and_warm_requests(e2e, tmp_path):
+    """The stock arm is named by its quantization, not by plugin lines it cannot have; the TTFT
+    heading says what ran before each timed request as the arm files recorded it."""
+    arms = {"on": _arm("on", {1: 400.0}, {1: 2.4}, {512: 20.0}), "off": _arm("off", {1: 300.0}, {1: 3.0}, {512: 21.0}),
+            "stock": _arm("stock", {1: 310.0}, {1: 3.0}, {512: 20.5})}
+    arms["stock"]["engine"]["quantization"] = "awq_marlin"
+    for name, arm in arms.items():
+        for cell in arm["ttft"]:
+            cell["warm_requests"] = 1
+        (tmp_path / f"arm-{name}.json").write_text(json.dumps(arm))
+    meta = {"command": "e2e_vllm.py --arms on,off,stock", "name": "qwen3.8-tp4", "shape": [512, 10, 2560, 160, 32],
+            "architecture": "qwen3_moe", "dtype": "float16", "model": "m", "decode_prompt": 128, "decode_tokens": 128,
+            "repeats": 3, "profile_tokens": 24, "kernel_table_concurrency": 1}
+    report = e2e.build_report(tmp_path, meta)
+    assert report["moe_backends"]["stock"] == ["vLLM alone, the plugin not loaded (quantization awq_marlin)"]
+    assert report["stock"]["decode"][0]["stock_over_off"] == round(310 / 300, 3)
+    assert report["stock"]["ttft"][0]["warm_requests"] == {"stock": 1, "off": 1}
+    text = e2e.markdown(report)
+    assert "## Stock vLLM (the plugin not loaded) vs off" in text
+    assert "prefix caching off, each after 1 untimed request(s) of its length in the same turn" in text
+    arms["off"]["ttft"][0]["warm_requests"] = 0
+    (tmp_path / "arm-off.json").write_text(json.dumps(arms["off"]))
+    assert "untimed requests before each: differ between the arms" in e2e.markdown(e2e.build_report(tmp_path, meta))
+    for name in ("on", "off"):
+        arms[name]["ttft"][0]["warm_requests"] = 0
+        (tmp_path / f"arm-{name}.json").write_text(json.dumps(arms[name]))
+    assert "each timed request the engine's first in its turn" in e2e.markdown(e2e.build_report(tmp_path, meta))
 
 
 def _run_arms(e2e, tmp_path, units, settle_s=0.0, crash_after=None):
