@@ -51,6 +51,9 @@ CASES = [
     (2, 1, 128, 512, 128, 2, "random", F16, (1, 4, 1, True, 2)),  # 8 chunks a warp: 6 held, 2 after the wait
     (2, 1, 128, 1792, 128, 2, "invalid", BF16, (1, 4, 1, False, 2)),  # 28 chunks a warp: the loop
     (4, 2, 128, 64, 32, 3, "invalid", F16, (1, 1, 1)),  # the fused combine over a slot of id -1
+    # the shipped co-serving tables' config: one W13 warp over eight K-chunks, two W2 warps
+    (4, 2, 256, 128, 64, 3, "random", F16, (1, 8, 2)),  # G = 64: grouped scales, one K split
+    (4, 3, 512, 96, 32, 4, "round_robin", BF16, (1, 8, 2)),  # two K splits, N_p = 128
     # the combine as a launch of its own (the rest fuse it into W2)
     (4, 3, 192, 160, 32, 5, "single_hot", F16, (1, 2, 1, False)),
     (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False)),
