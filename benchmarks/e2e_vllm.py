@@ -89,7 +89,7 @@ once the on and off arm files are there). One command per model; each also with
     # Qwen3-Next-80B-A3B's MoE at TP1 (in a Qwen3-MoE body: no shared expert, no linear attention)
     python benchmarks/e2e_vllm.py --shape 512,10,2048,512,128 --name qwen3-next-tp1 --heads 16 --kv-heads 2 \
         --head-dim 256 --arms on,off,force --out /tmp/e2e-qwen3-next
-    # ... co-served where its table gives a window (H100: 1..2 tokens), against vLLM alone; "on" co-serves
+    # ... co-served where its table gives a window (H100: 1..8 tokens), against vLLM alone; "on" co-serves
     # too unless co-serving is off in the caller's environment, which then isolates the co-served share
     MOE_GROUPED_DECODE_COSERVE=0 python benchmarks/e2e_vllm.py --shape 512,10,2048,512,128 --name qwen3-next-tp1 \
         --heads 16 --kv-heads 2 --head-dim 256 --arms on,off,coserve --out /tmp/e2e-qwen3-next-coserve
@@ -158,7 +158,7 @@ EXTRA_ARMS = {
               "vLLM without the plugin (VLLM_PLUGINS names no plugin), its own AWQ config and MoE backend: beside "
               "'off', what the plugin installed and switched off costs; 'off' is the baseline of the tables above."),
 }
-REPORT_ARMS = ("on", "off")
+REPORT_ARMS = ("on", "off")  # the report's main comparison; the optional arms get sections beside off
 PLUGIN_NAME = "moe_grouped_decode"  # the plugin's vllm.general_plugins entry point
 PHASES = ("decode", "ttft", "agreement", "teacher_forced", "profile")  # what an arm measures, in this order
 DEFAULT_SHAPE = (512, 10, 2560, 160, 32)  # qwen3.8 at TP4: one rank's shard
@@ -1116,15 +1116,23 @@ def paired_arms(arms: dict, a: str, b: str) -> Optional[List[str]]:
     return None
 
 
-def warm_phrase(cells: List[dict]) -> str:
-    """What ran just before each timed TTFT request, as the arm files recorded it."""
-    counts = {n for cell in cells for n in (cell.get("warm_requests") or {None: None}).values()}
-    if counts == {0}:
-        return "each timed request the engine's first in its turn"
-    if len(counts) == 1 and None not in counts:
-        (n,) = counts
-        return f"each after {n} untimed request(s) of its length in the same turn"
-    return "untimed requests before each: " + ("not recorded" if counts == {None} else "differ between the arms")
+def warm_phrase(cells: List[dict], paired: bool) -> str:
+    """What ran just before each timed TTFT request, as the arm files recorded it (cells only
+    profiled have no timed request and say nothing)."""
+    recorded: Dict[str, set] = {}
+    for cell in cells:
+        for arm, n in (cell.get("warm_requests") or {}).items():
+            recorded.setdefault(arm, set()).add(n)
+    counts = set().union(*recorded.values()) if recorded else {None}
+    if None in counts:
+        missing = sorted(arm for arm, ns in recorded.items() if None in ns)
+        return "untimed requests before each: not recorded" + (f" by {', '.join(missing)}" if missing else "")
+    if len(counts) > 1:
+        return "untimed requests before each: differ between the arms"
+    (n,) = counts
+    if n == 0:
+        return "each timed request the engine's first" + (" in its turn" if paired else " after the last")
+    return f"each after {n} untimed request(s) of its length" + (" in the same turn" if paired else "")
 
 
 def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
@@ -1173,15 +1181,18 @@ def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
 
 def build_report(out: Path, meta: dict) -> dict:
     arms = load_arms(out)
-    on, off = arms["on"], arms["off"]
+    off = arms["off"]
+    on = arms.get("on")  # None: only optional arms beside off (their sections below)
+    first = on if on is not None else off
     startup = {arm: {**data.get("timing", {}), **{k: v for k, v in data["log"].items()
                                                    if k.endswith(("_s", "_gib", "_vllm")) or k == "capture_phases"}}
                for arm, data in arms.items()}
-    paired = paired_arms(arms, "on", "off")
+    beside_off = "on" if on is not None else next(arm for arm in EXTRA_ARMS if arm in arms)
+    paired = paired_arms(arms, beside_off, "off")
     report = {
         "meta": meta,
-        "device": on.get("device"),
-        "versions": on.get("versions"),
+        "device": first.get("device"),
+        "versions": first.get("versions"),
         "paired": paired,  # the arms that ran side by side, taking turns (--paired)
         # what the arm files record of how they ran (arms of one --out may come from several runs)
         "caches": {arm: data.get("caches") for arm, data in arms.items()},
@@ -1191,11 +1202,12 @@ def build_report(out: Path, meta: dict) -> dict:
                                [f"vLLM alone, the plugin not loaded (quantization "
                                 f"{(data.get('engine') or {}).get('quantization')})"])
                          for arm, data in arms.items()},
-        "decode": compare_decode(arms, "on", "off"),
-        "ttft": compare_ttft(arms, "on", "off"),
+        "decode": compare_decode(arms, "on", "off") if on is not None else [],
+        "ttft": compare_ttft(arms, "on", "off") if on is not None else [],
         "startup": startup,
-        "agreement": agreement_report(on.get("agreement", []), off.get("agreement", [])),
-        "teacher_forced": teacher_forced_report(on.get("teacher_forced", {}), off.get("teacher_forced", {})),
+        "agreement": agreement_report((on or {}).get("agreement", []), off.get("agreement", [])),
+        "teacher_forced": teacher_forced_report((on or {}).get("teacher_forced", {}), off.get("teacher_forced", {}))
+        if on is not None else {},
         "top_kernels": {arm: {p["concurrency"]: p["top_kernels"] for p in data.get("profile", [])} for arm, data in arms.items()},
         "log": {arm: {k: data["log"].get(k) for k in ("plugin_lines", "plugin_warnings", "jit_after_startup", "warnings")}
                 for arm, data in arms.items()},
@@ -1214,6 +1226,13 @@ def build_report(out: Path, meta: dict) -> dict:
             "teacher_forced": teacher_forced_report(data.get("teacher_forced", {}), off.get("teacher_forced", {})),
         }
     return report
+
+
+def reportable(out: Path) -> bool:
+    """Whether ``out`` holds the arm files of a report: off and another arm (on, or an optional
+    arm whose section compares it with off)."""
+    there = {arm for arm in ARMS if (out / f"arm-{arm}.json").is_file()}
+    return "off" in there and len(there) > 1
 
 
 def _agreed(arms: dict, key: str):
@@ -1401,7 +1420,8 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         f"MoE shape: {meta.get('name')} (E,k,K,N,G = {','.join(map(str, shape)) if shape else '?'}); architecture "
         f"{meta.get('architecture')}; dtype {meta.get('dtype')}.",
         f"Model: {meta.get('model')}.",
-        f"Engine (on): {report['engine'].get('on')}.",
+        (f"Engine (on): {report['engine'].get('on')}." if report["engine"].get("on") is not None else
+         f"Engine (off): {report['engine'].get('off')}."),
         f"Command: `{meta.get('command')}`.", "",
         *([f"Arms {', '.join(report['paired'])} side by side (`--paired`): their engines up at once on this device, "
            "each timed unit (a decode or TTFT repeat, a profiled pass) taken in turns, one unit an arm a round, "
@@ -1425,7 +1445,7 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
     if report["ttft"]:
         if any(cell.get("on_ms") is not None for cell in report["ttft"]):
             lines += ["", f"Time to first token, one request at a time, prefix caching off, "
-                      f"{warm_phrase(report['ttft'])} (median of "
+                      f"{warm_phrase(report['ttft'], bool(report.get('paired')))} (median of "
                       f"{meta.get('repeats')}; every run in brackets"
                       + ("; a pair is the two arms' runs of one round of turns, so the host's drift "
                          "cancels within it" if report.get("paired") else "") + "):"]
@@ -1457,7 +1477,9 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         if part["decode"]:
             lines += [""] + decode_table(part["decode"], extra, "off", host_bound_below)
         if part["ttft"]:
-            lines += [""] + ttft_tables(part["ttft"], extra, "off")
+            lines += ["", f"Time to first token, {extra} against off, "
+                      f"{warm_phrase(part['ttft'], bool(report.get('paired')))}:", ""]
+            lines += ttft_tables(part["ttft"], extra, "off")
         if part.get("ttft_on"):
             lines += ["", f"Time to first token, on against {extra}:", ""] + ttft_tables(part["ttft_on"], "on", extra)
         lines += [""] + teacher_forced_lines(part.get("teacher_forced") or {}, extra, "off")
@@ -1497,7 +1519,8 @@ def plot(report: dict, path: Path) -> Optional[str]:
     if report["decode"]:
         cs = [cell["concurrency"] for cell in report["decode"]]
         series = [("on", "tab:blue", report["decode"]), ("off", "tab:orange", report["decode"])]
-        for extra, color in (("force", "tab:green"), ("dispatch", "tab:purple"), ("coserve", "tab:red")):
+        for extra, color in (("force", "tab:green"), ("dispatch", "tab:purple"), ("coserve", "tab:red"),
+                             ("stock", "tab:gray")):
             if report.get(extra) and report[extra]["decode"]:
                 series.append((extra, color, report[extra]["decode"]))
         for arm, color, cells in series:
@@ -1825,9 +1848,9 @@ def main(argv=None) -> int:
                                  arm, args.arm_timeout or 1500)
                 print(f"e2e: arm {arm} exited {code} after {time.perf_counter() - began:.0f} s in all", flush=True)
                 rc = rc or code
-    if not all((out / f"arm-{arm}.json").is_file() for arm in REPORT_ARMS):
-        missing = [arm for arm in REPORT_ARMS if not (out / f"arm-{arm}.json").is_file()]
-        print(f"e2e: no report yet: run the arm(s) {missing} with the same --out", flush=True)
+    if not reportable(out):
+        have = sorted(arm for arm in ARMS if (out / f"arm-{arm}.json").is_file())
+        print(f"e2e: no report yet: it needs arm off and another arm in --out (there: {have or 'none'})", flush=True)
         return rc
     report = build_report(out, meta)
     (out / "e2e.json").write_text(json.dumps(report, indent=1))

@@ -46,7 +46,8 @@ def layer(request):
                                     MarlinGroupedConfig(4, 2, 2, fused_combine=False),
                                     MarlinGroupedConfig(2, 4, 2, w2_row_warps=4),
                                     MarlinGroupedConfig(4, 2, 1, w2_row_warps=2),
-                                    MarlinGroupedConfig(1, 8, 2)], ids=str)  # the shipped tables' pick
+                                    # the shipped co-serving tables' picks
+                                    MarlinGroupedConfig(1, 8, 2), MarlinGroupedConfig(1, 4, 2)], ids=str)
 def test_marlin_grouped_matches_reference(layer, M, config):
     awq, tensors, grouped, (E, k, K, N, G), dtype = layer
     gen = torch.Generator().manual_seed(M + 10 * config.w13_warps + 100 * config.w2_warps + 1000 * config.w2_row_warps)

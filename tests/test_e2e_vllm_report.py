@@ -678,14 +678,38 @@ def test_report_with_a_stock_arm_and_warm_requests(e2e, tmp_path):
     assert report["stock"]["ttft"][0]["warm_requests"] == {"stock": 1, "off": 1}
     text = e2e.markdown(report)
     assert "## Stock vLLM (the plugin not loaded) vs off" in text
-    assert "prefix caching off, each after 1 untimed request(s) of its length in the same turn" in text
+    assert "prefix caching off, each after 1 untimed request(s) of its length (median of 3" in text
+    assert "Time to first token, stock against off, each after 1 untimed request(s) of its length:" in text
     arms["off"]["ttft"][0]["warm_requests"] = 0
     (tmp_path / "arm-off.json").write_text(json.dumps(arms["off"]))
     assert "untimed requests before each: differ between the arms" in e2e.markdown(e2e.build_report(tmp_path, meta))
     for name in ("on", "off"):
         arms[name]["ttft"][0]["warm_requests"] = 0
         (tmp_path / f"arm-{name}.json").write_text(json.dumps(arms[name]))
-    assert "each timed request the engine's first in its turn" in e2e.markdown(e2e.build_report(tmp_path, meta))
+    assert "each timed request the engine's first after the last (median" in e2e.markdown(
+        e2e.build_report(tmp_path, meta))
+    del arms["off"]["ttft"][0]["warm_requests"]  # an arm file from before it was recorded
+    (tmp_path / "arm-off.json").write_text(json.dumps(arms["off"]))
+    assert "untimed requests before each: not recorded by off (median" in e2e.markdown(e2e.build_report(tmp_path, meta))
+    # stock and off alone make a report: no on/off tables, the stock section against off
+    (tmp_path / "arm-on.json").unlink()
+    assert e2e.reportable(tmp_path)
+    report = e2e.build_report(tmp_path, meta)
+    assert report["decode"] == [] and report["ttft"] == [] and report["stock"]["ttft"][0]["stock_over_off"]
+    text = e2e.markdown(report)
+    assert "## Stock vLLM (the plugin not loaded) vs off" in text and "Engine (off):" in text
+    (tmp_path / "arm-stock.json").unlink()
+    assert not e2e.reportable(tmp_path)  # off alone compares with nothing
+
+
+def test_warm_phrase(e2e):
+    """Cells only profiled (no timed request) say nothing about warm requests; --paired says turns."""
+    timed = {"on_ms": 1.0, "warm_requests": {"on": 1, "off": 1}}
+    profiled = {"on_ms": None}
+    assert e2e.warm_phrase([timed, profiled], True) == "each after 1 untimed request(s) of its length in the same turn"
+    assert e2e.warm_phrase([profiled], False) == "untimed requests before each: not recorded"
+    assert e2e.warm_phrase([{"warm_requests": {"on": 0, "off": 0}}], True) == (
+        "each timed request the engine's first in its turn")
 
 
 def _run_arms(e2e, tmp_path, units, settle_s=0.0, crash_after=None):
