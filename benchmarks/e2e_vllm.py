@@ -1060,7 +1060,10 @@ def _by(arm: dict, key: str, field: str) -> dict:
 
 
 def compare_decode(arms: dict, a: str, b: str) -> List[dict]:
-    """Decode cells of arm ``a`` against arm ``b``: tok/s ratio, GPU time per step, busy share."""
+    """Decode cells of arm ``a`` against arm ``b``: tok/s ratio, GPU time per step, busy share;
+    for arms of one ``--paired`` run, as ``compare_ttft`` does, the median of the per-pair ratios
+    and the pairs ``a`` won."""
+    paired = paired_arms(arms, a, b) is not None and not arms[a].get("errors") and not arms[b].get("errors")
     decode = []
     profiles = {arm: _by(arms[arm], "profile", "concurrency") for arm in (a, b)}
     b_decode = _by(arms[b], "decode", "concurrency")
@@ -1070,6 +1073,11 @@ def compare_decode(arms: dict, a: str, b: str) -> List[dict]:
             continue
         cell = {"concurrency": c, a: dict(row_a), b: dict(row_b),
                 f"{a}_over_{b}": round(row_a["tok_s"] / row_b["tok_s"], 3)}
+        itl_a, itl_b = row_a.get("itl_ms_repeats") or [], row_b.get("itl_ms_repeats") or []
+        if paired and itl_a and len(itl_a) == len(itl_b):  # tok/s of a over b = ITL of b over a
+            cell["pairs"] = len(itl_a)
+            cell[f"{a}_over_{b}_paired"] = round(statistics.median(y / x for x, y in zip(itl_a, itl_b)), 3)
+            cell[f"{a}_faster_pairs"] = sum(x < y for x, y in zip(itl_a, itl_b))
         for arm in (a, b):
             p, row = profiles[arm].get(c), cell[arm]
             if p is not None:
@@ -1282,6 +1290,15 @@ def decode_table(cells: List[dict], a: str, b: str, host_bound_below: float) -> 
             f"{_fmt(x['itl_ms'], 3)} | {_fmt(y['itl_ms'], 3)} | {_fmt(x.get('gpu_ms_per_step'), 3)} | "
             f"{_fmt(y.get('gpu_ms_per_step'), 3)} | {_fmt(cell.get(f'gpu_{b}_over_{a}'), 3)} | {busy(x)} | {busy(y)} |"
         )
+    paired = [cell for cell in cells if cell.get("pairs")]
+    if paired:
+        lines += ["", f"Per pair (repeat i of {a} and of {b} ran in one round of turns, so the host's drift cancels "
+                      f"within it): tok/s {a}/{b}, the median of the pairs, the pairs {a} won and every repeat's ITL, ms:",
+                  "", f"| C | {a}/{b} per pair, median | {a} faster in | {a} ITL runs | {b} ITL runs |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {cell['concurrency']} | {_fmt(cell[f'{a}_over_{b}_paired'], 3)} | "
+                  f"{cell[f'{a}_faster_pairs']} of {cell['pairs']} | {cell[a]['itl_ms_repeats']} | "
+                  f"{cell[b]['itl_ms_repeats']} |" for cell in paired]
     return lines
 
 

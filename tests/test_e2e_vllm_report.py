@@ -808,6 +808,16 @@ def test_paired_option_reaches_the_arms_and_the_report(e2e, tmp_path):
     text = e2e.markdown(report)
     assert "Arms off, on side by side (`--paired`)" in text
     assert "| 512 | 20.00 | 15.00 | 1.333 | 1.200 | 1 of 3 | [30.0, 20.0, 18.0] | [40.0, 16.0, 15.0] |" in text
+    assert "Per pair" not in text  # the decode cells' repeats are empty here
+    on["decode"][0]["itl_ms_repeats"], off["decode"][0]["itl_ms_repeats"] = [2.0, 3.0, 2.4], [2.5, 2.4, 2.4]
+    report = report_of("/tmp/turns-a", "/tmp/turns-a")
+    (decode,) = report["decode"]
+    # tok/s on/off per pair = off's ITL over on's: 1.25, 0.8, 1.0; on faster in one (a tie is no win)
+    assert (decode["pairs"], decode["on_over_off_paired"], decode["on_faster_pairs"]) == (3, 1.0, 1)
+    assert "| 1 | 1.000 | 1 of 3 | [2.0, 3.0, 2.4] | [2.5, 2.4, 2.4] |" in e2e.markdown(report)
+    on["decode"][0]["itl_ms_repeats"] = [2.0, 3.0]
+    assert "pairs" not in report_of("/tmp/turns-a", "/tmp/turns-a")["decode"][0]  # repeats that differ: no pairs
+    on["decode"][0]["itl_ms_repeats"] = off["decode"][0]["itl_ms_repeats"] = []
     if importlib.util.find_spec("matplotlib"):  # every run a dot, the pair's ratio annotated
         assert e2e.plot(report, tmp_path / "paired.png") is None
         assert (tmp_path / "paired.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
