@@ -1124,6 +1124,15 @@ def paired_arms(arms: dict, a: str, b: str) -> Optional[List[str]]:
     return None
 
 
+def repeats_of(cells: List[dict], meta: dict):
+    """How many runs each cell's median is of, as the arm files hold them (a report rebuilt by
+    --report-only has this command's --repeats, not the run's); the command's where they differ."""
+    counts = {len(runs) for cell in cells for key in ("on_repeats", "off_repeats") if (runs := cell.get(key))}
+    counts |= {len(runs) for cell in cells for arm in ("on", "off")
+               if isinstance(cell.get(arm), dict) and (runs := cell[arm].get("itl_ms_repeats"))}
+    return counts.pop() if len(counts) == 1 else meta.get("repeats")
+
+
 def warm_phrase(cells: List[dict], paired: bool) -> str:
     """What ran just before each timed TTFT request, as the arm files recorded it (cells only
     profiled have no timed request and say nothing)."""
@@ -1453,7 +1462,8 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         lines += [
             "",
             f"Decode: C requests at once, {meta.get('decode_prompt')}-token prompts, {meta.get('decode_tokens')} greedy "
-            f"tokens each, median of {meta.get('repeats')} run(s); ITL from vLLM's per-request engine timestamps, "
+            f"tokens each, median of {repeats_of(report['decode'], meta)} run(s); ITL from vLLM's per-request "
+            "engine timestamps, "
             "tok/s = C / ITL. GPU ms/step: CUDA kernel time summed per pure decode step under the torch profiler "
             f"({meta.get('profile_tokens')} tokens per request); busy = GPU ms / ITL, below {host_bound_below} the "
             "step is host-bound (the GPU waits for the host).", "",
@@ -1463,7 +1473,7 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         if any(cell.get("on_ms") is not None for cell in report["ttft"]):
             lines += ["", f"Time to first token, one request at a time, prefix caching off, "
                       f"{warm_phrase(report['ttft'], bool(report.get('paired')))} (median of "
-                      f"{meta.get('repeats')}; every run in brackets"
+                      f"{repeats_of(report['ttft'], meta)}; every run in brackets"
                       + ("; a pair is the two arms' runs of one round of turns, so the host's drift "
                          "cancels within it" if report.get("paired") else "") + "):"]
         lines += [""] + ttft_tables(report["ttft"], "on", "off")

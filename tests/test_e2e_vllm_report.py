@@ -678,7 +678,7 @@ def test_report_with_a_stock_arm_and_warm_requests(e2e, tmp_path):
     assert report["stock"]["ttft"][0]["warm_requests"] == {"stock": 1, "off": 1}
     text = e2e.markdown(report)
     assert "## Stock vLLM (the plugin not loaded) vs off" in text
-    assert "prefix caching off, each after 1 untimed request(s) of its length (median of 3" in text
+    assert "prefix caching off, each after 1 untimed request(s) of its length (median of 1;" in text  # the files
     assert "Time to first token, stock against off, each after 1 untimed request(s) of its length:" in text
     arms["off"]["ttft"][0]["warm_requests"] = 0
     (tmp_path / "arm-off.json").write_text(json.dumps(arms["off"]))
