@@ -156,7 +156,8 @@ EXTRA_ARMS = {
                 "reads the same tensors at the token counts of their table's co-serving window."),
     "stock": ("Stock vLLM (the plugin not loaded) vs off",
               "vLLM without the plugin (VLLM_PLUGINS names no plugin), its own AWQ config and MoE backend: beside "
-              "'off', what the plugin installed and switched off costs; 'off' is the baseline of the tables above."),
+              "'off' (the plugin installed and switched off, the plugin arms' baseline), what that costs, and two "
+              "engines' floor without the plugin."),
 }
 REPORT_ARMS = ("on", "off")  # the report's main comparison; the optional arms get sections beside off
 PLUGIN_NAME = "moe_grouped_decode"  # the plugin's vllm.general_plugins entry point
@@ -1124,13 +1125,19 @@ def paired_arms(arms: dict, a: str, b: str) -> Optional[List[str]]:
     return None
 
 
-def repeats_of(cells: List[dict], meta: dict):
-    """How many runs each cell's median is of, as the arm files hold them (a report rebuilt by
-    --report-only has this command's --repeats, not the run's); the command's where they differ."""
-    counts = {len(runs) for cell in cells for key in ("on_repeats", "off_repeats") if (runs := cell.get(key))}
-    counts |= {len(runs) for cell in cells for arm in ("on", "off")
-               if isinstance(cell.get(arm), dict) and (runs := cell[arm].get("itl_ms_repeats"))}
-    return counts.pop() if len(counts) == 1 else meta.get("repeats")
+def repeats_of(cells: List[dict], arms: Tuple[str, str] = ("on", "off")) -> str:
+    """How many runs each cell's median is of, as the arm files hold them (per arm where they
+    differ; a report rebuilt by --report-only must not take its own command's --repeats)."""
+    counts = {}
+    for arm in arms:
+        runs = {len(cell.get(f"{arm}_repeats") or []) for cell in cells if f"{arm}_repeats" in cell}
+        runs |= {len(cell[arm].get("itl_ms_repeats") or []) for cell in cells if isinstance(cell.get(arm), dict)}
+        counts[arm] = runs.pop() if len(runs) == 1 and 0 not in runs else None
+    values = set(counts.values())
+    if len(values) == 1:
+        (n,) = values
+        return "runs not recorded" if n is None else f"{n} run(s)"
+    return ", ".join(f"{'?' if n is None else n} ({arm})" for arm, n in counts.items()) + " run(s)"
 
 
 def warm_phrase(cells: List[dict], paired: bool) -> str:
@@ -1200,16 +1207,18 @@ def build_report(out: Path, meta: dict) -> dict:
     arms = load_arms(out)
     off = arms["off"]
     on = arms.get("on")  # None: only optional arms beside off (their sections below)
-    first = on if on is not None else off
     startup = {arm: {**data.get("timing", {}), **{k: v for k, v in data["log"].items()
                                                    if k.endswith(("_s", "_gib", "_vllm")) or k == "capture_phases"}}
                for arm, data in arms.items()}
-    beside_off = "on" if on is not None else next(arm for arm in EXTRA_ARMS if arm in arms)
-    paired = paired_arms(arms, beside_off, "off")
+    extras = [arm for arm in EXTRA_ARMS if arm in arms]
+    # the arm the headline compares with off: on, else an optional arm (one paired with off first)
+    main = "on" if on is not None else next((arm for arm in extras if paired_arms(arms, arm, "off")), extras[0])
+    paired = paired_arms(arms, main, "off")
     report = {
         "meta": meta,
-        "device": first.get("device"),
-        "versions": first.get("versions"),
+        "main_arm": main,
+        "device": (on or {}).get("device") or off.get("device"),
+        "versions": (on or {}).get("versions") or off.get("versions"),
         "paired": paired,  # the arms that ran side by side, taking turns (--paired)
         # what the arm files record of how they ran (arms of one --out may come from several runs)
         "caches": {arm: data.get("caches") for arm, data in arms.items()},
@@ -1235,10 +1244,11 @@ def build_report(out: Path, meta: dict) -> dict:
             continue
         data = arms[extra]
         report[extra] = {
+            "paired": paired_arms(arms, extra, "off"),
             "decode": compare_decode(arms, extra, "off"),
             "ttft": compare_ttft(arms, extra, "off"),
             # the launcher's share: the same plugin with and without direct launches
-            **({"ttft_on": compare_ttft(arms, "on", extra)} if extra == "dispatch" else {}),
+            **({"ttft_on": compare_ttft(arms, "on", extra)} if extra == "dispatch" and on is not None else {}),
             "agreement": agreement_report(data.get("agreement", []), off.get("agreement", []), (extra, "off")),
             "teacher_forced": teacher_forced_report(data.get("teacher_forced", {}), off.get("teacher_forced", {})),
         }
@@ -1441,7 +1451,7 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
     meta, lines = report["meta"], []
     shape = meta.get("shape")
     lines += [
-        "# vLLM end to end: plugin on vs off", "",
+        f"# vLLM end to end: {report.get('main_arm', 'on')} vs off", "",
         f"Device: {report['device']}; vLLM {(report['versions'] or {}).get('vllm')}, torch {(report['versions'] or {}).get('torch')}.",
         f"MoE shape: {meta.get('name')} (E,k,K,N,G = {','.join(map(str, shape)) if shape else '?'}); architecture "
         f"{meta.get('architecture')}; dtype {meta.get('dtype')}.",
@@ -1462,7 +1472,7 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         lines += [
             "",
             f"Decode: C requests at once, {meta.get('decode_prompt')}-token prompts, {meta.get('decode_tokens')} greedy "
-            f"tokens each, median of {repeats_of(report['decode'], meta)} run(s); ITL from vLLM's per-request "
+            f"tokens each, median of {repeats_of(report['decode'])}; ITL from vLLM's per-request "
             "engine timestamps, "
             "tok/s = C / ITL. GPU ms/step: CUDA kernel time summed per pure decode step under the torch profiler "
             f"({meta.get('profile_tokens')} tokens per request); busy = GPU ms / ITL, below {host_bound_below} the "
@@ -1473,7 +1483,7 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         if any(cell.get("on_ms") is not None for cell in report["ttft"]):
             lines += ["", f"Time to first token, one request at a time, prefix caching off, "
                       f"{warm_phrase(report['ttft'], bool(report.get('paired')))} (median of "
-                      f"{repeats_of(report['ttft'], meta)}; every run in brackets"
+                      f"{repeats_of(report['ttft'])}; every run in brackets"
                       + ("; a pair is the two arms' runs of one round of turns, so the host's drift "
                          "cancels within it" if report.get("paired") else "") + "):"]
         lines += [""] + ttft_tables(report["ttft"], "on", "off")
@@ -1494,8 +1504,9 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
                                f"elapsed after each: {elapsed}")
     if phase_lines:
         lines += ["", "CUDA-graph capture per mode (vLLM's progress bars):", "", *phase_lines]
-    lines += [""] + teacher_forced_lines(report.get("teacher_forced") or {}, "on", "off")
-    lines += [""] + agreement_lines(report["agreement"], "on", "off")
+    if report.get("main_arm", "on") == "on":
+        lines += [""] + teacher_forced_lines(report.get("teacher_forced") or {}, "on", "off")
+        lines += [""] + agreement_lines(report["agreement"], "on", "off")
     for extra, (heading, what) in EXTRA_ARMS.items():
         part = report.get(extra)
         if not part:
@@ -1504,9 +1515,10 @@ def markdown(report: dict, host_bound_below: float = 0.8) -> str:
         if part["decode"]:
             lines += [""] + decode_table(part["decode"], extra, "off", host_bound_below)
         if part["ttft"]:
-            lines += ["", f"Time to first token, {extra} against off, "
-                      f"{warm_phrase(part['ttft'], bool(report.get('paired')))}:", ""]
-            lines += ttft_tables(part["ttft"], extra, "off")
+            if any(cell.get(f"{extra}_ms") is not None for cell in part["ttft"]):
+                lines += ["", f"Time to first token, {extra} against off, median of "
+                          f"{repeats_of(part['ttft'], (extra, 'off'))}, {warm_phrase(part['ttft'], bool(part.get('paired')))}:"]
+            lines += [""] + ttft_tables(part["ttft"], extra, "off")
         if part.get("ttft_on"):
             lines += ["", f"Time to first token, on against {extra}:", ""] + ttft_tables(part["ttft_on"], "on", extra)
         lines += [""] + teacher_forced_lines(part.get("teacher_forced") or {}, extra, "off")
@@ -1539,16 +1551,19 @@ def plot(report: dict, path: Path) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError as error:
         return f"no plot: {error}"
-    timed = [cell for cell in report["ttft"] if cell.get("on_ms") is not None]  # not the cells only profiled
-    if not report["decode"] and not timed:
+    main = report.get("main_arm", "on")  # the arm the headline compares with off
+    decode = report["decode"] if main == "on" else report[main]["decode"]
+    ttft = report["ttft"] if main == "on" else report[main]["ttft"]
+    timed = [cell for cell in ttft if cell.get(f"{main}_ms") is not None]  # not the cells only profiled
+    if not decode and not timed:
         return "no plot: no decode or TTFT cells"
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    if report["decode"]:
-        cs = [cell["concurrency"] for cell in report["decode"]]
-        series = [("on", "tab:blue", report["decode"]), ("off", "tab:orange", report["decode"])]
+    if decode:
+        cs = [cell["concurrency"] for cell in decode]
+        series = [(main, "tab:blue", decode), ("off", "tab:orange", decode)]
         for extra, color in (("force", "tab:green"), ("dispatch", "tab:purple"), ("coserve", "tab:red"),
                              ("stock", "tab:gray")):
-            if report.get(extra) and report[extra]["decode"]:
+            if extra != main and report.get(extra) and report[extra]["decode"]:
                 series.append((extra, color, report[extra]["decode"]))
         for arm, color, cells in series:
             left.plot([cell["concurrency"] for cell in cells], [cell[arm]["tok_s"] for cell in cells], "o-",
@@ -1568,26 +1583,29 @@ def plot(report: dict, path: Path) -> Optional[str]:
         lengths = [cell["prompt_tokens"] for cell in timed]
         width = 0.38
         xs = range(len(lengths))
-        right.bar([x - width / 2 for x in xs], [cell["on_ms"] for cell in timed], width, label="on", color="tab:blue")
+        right.bar([x - width / 2 for x in xs], [cell[f"{main}_ms"] for cell in timed], width, label=main,
+                  color="tab:blue")
         right.bar([x + width / 2 for x in xs], [cell["off_ms"] for cell in timed], width, label="off", color="tab:orange")
         for x, cell in zip(xs, timed):  # every run, so a spread as wide as the gap shows
-            for arm, dx in (("on", -width / 2), ("off", width / 2)):
+            for arm, dx in ((main, -width / 2), ("off", width / 2)):
                 runs = cell.get(f"{arm}_repeats") or []
                 right.plot([x + dx] * len(runs), runs, ".", color="black", markersize=3, alpha=0.6)
             if "pairs" in cell:
-                top = max([cell["on_ms"], cell["off_ms"], *(cell.get("on_repeats") or []), *(cell.get("off_repeats") or [])])
-                right.annotate(f"per pair {cell['on_over_off_paired']:.2f}\non won {cell['on_faster_pairs']}/{cell['pairs']}",
+                top = max([cell[f"{main}_ms"], cell["off_ms"], *(cell.get(f"{main}_repeats") or []),
+                           *(cell.get("off_repeats") or [])])
+                right.annotate(f"per pair {cell[f'{main}_over_off_paired']:.2f}\n{main} won "
+                               f"{cell[f'{main}_faster_pairs']}/{cell['pairs']}",
                                (x, top), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
         right.set_xticks(list(xs), [str(n) for n in lengths])
         right.set(xlabel="prompt tokens", ylabel="time to first token, ms",
-                  title="prefill (arms in turns: on/off per pair)" if any("pairs" in c for c in timed) else "prefill")
+                  title=f"prefill (arms in turns: {main}/off per pair)" if any("pairs" in c for c in timed) else "prefill")
         right.margins(y=0.15)
         right.legend(fontsize=8)
     else:
         right.set_axis_off()
         right.set_title("time to first token: not measured")
     meta = report["meta"]
-    figure.suptitle(f"plugin on vs off inside vLLM {(report['versions'] or {}).get('vllm')}, {report['device']}: "
+    figure.suptitle(f"{main} vs off inside vLLM {(report['versions'] or {}).get('vllm')}, {report['device']}: "
                     f"{meta.get('name')} ({meta.get('architecture')}, {meta.get('dtype')})", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

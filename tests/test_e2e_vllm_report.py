@@ -678,8 +678,9 @@ def test_report_with_a_stock_arm_and_warm_requests(e2e, tmp_path):
     assert report["stock"]["ttft"][0]["warm_requests"] == {"stock": 1, "off": 1}
     text = e2e.markdown(report)
     assert "## Stock vLLM (the plugin not loaded) vs off" in text
-    assert "prefix caching off, each after 1 untimed request(s) of its length (median of 1;" in text  # the files
-    assert "Time to first token, stock against off, each after 1 untimed request(s) of its length:" in text
+    assert "prefix caching off, each after 1 untimed request(s) of its length (median of 1 run(s);" in text
+    assert ("Time to first token, stock against off, median of 1 run(s), each after 1 untimed request(s) of its "
+            "length:") in text
     arms["off"]["ttft"][0]["warm_requests"] = 0
     (tmp_path / "arm-off.json").write_text(json.dumps(arms["off"]))
     assert "untimed requests before each: differ between the arms" in e2e.markdown(e2e.build_report(tmp_path, meta))
@@ -696,10 +697,34 @@ def test_report_with_a_stock_arm_and_warm_requests(e2e, tmp_path):
     assert e2e.reportable(tmp_path)
     report = e2e.build_report(tmp_path, meta)
     assert report["decode"] == [] and report["ttft"] == [] and report["stock"]["ttft"][0]["stock_over_off"]
+    assert report["main_arm"] == "stock" and report["device"] == "NVIDIA H200"
     text = e2e.markdown(report)
+    assert text.startswith("# vLLM end to end: stock vs off")
     assert "## Stock vLLM (the plugin not loaded) vs off" in text and "Engine (off):" in text
+    assert "(on vs off)" not in text  # no on arm: no on/off agreement lines
+    if importlib.util.find_spec("matplotlib"):  # the stock arm's cells, drawn against off
+        assert e2e.plot(report, tmp_path / "stock.png") is None
+    # dispatch beside off without on: its section, no on-against-dispatch table
+    (tmp_path / "arm-stock.json").rename(tmp_path / "arm-dispatch.json")
+    report = e2e.build_report(tmp_path, meta)
+    assert report["main_arm"] == "dispatch" and "ttft_on" not in report["dispatch"]
+    assert "on against dispatch" not in e2e.markdown(report)
+    (tmp_path / "arm-dispatch.json").rename(tmp_path / "arm-stock.json")
     (tmp_path / "arm-stock.json").unlink()
     assert not e2e.reportable(tmp_path)  # off alone compares with nothing
+
+
+def test_repeats_of(e2e):
+    """The runs behind a median, from the cells: one number where the arms agree, else each arm's."""
+    def ttft(on, off):
+        return [{"prompt_tokens": 512, "on_repeats": on, "off_repeats": off}]
+
+    assert e2e.repeats_of(ttft([1.0] * 5, [1.0] * 5)) == "5 run(s)"
+    assert e2e.repeats_of(ttft([1.0] * 3, [1.0] * 5)) == "3 (on), 5 (off) run(s)"
+    assert e2e.repeats_of(ttft(None, [1.0] * 3)) == "? (on), 3 (off) run(s)"  # an old arm file
+    decode = [{"concurrency": 1, "stock": {"itl_ms_repeats": [2.0, 2.1]}, "off": {"itl_ms_repeats": [2.0, 2.2]}}]
+    assert e2e.repeats_of(decode, ("stock", "off")) == "2 run(s)"
+    assert e2e.repeats_of([{"concurrency": 1, "on": {}, "off": {}}]) == "runs not recorded"
 
 
 def test_warm_phrase(e2e):
