@@ -1,7 +1,8 @@
 """Where the co-served kernel loses time against the plugin's grouped route, stage by stage.
 
-The co-served kernel (``kernels/marlin_grouped.py`` on vLLM's Marlin tensors) takes 1.5-1.9x the
-time of the grouped route on AutoAWQ's tensors at the same token count. Side by side in one
+The co-served kernel (``kernels/marlin_grouped.py`` on vLLM's Marlin tensors) against the grouped
+route on AutoAWQ's tensors at the same token count (on the H100, 1.4-1.6x its time with two W13
+warps, 1.0-1.13x with one: ``docs/PERF.md``). Side by side in one
 process, on the same rotated layers (tune's rotation, L2 cold) in both layouts and the same
 inputs, CUDA-graph replays of, per M:
 
