@@ -1130,9 +1130,11 @@ def repeats_of(cells: List[dict], arms: Tuple[str, str] = ("on", "off")) -> str:
     differ; a report rebuilt by --report-only must not take its own command's --repeats)."""
     counts = {}
     for arm in arms:
-        runs = {len(cell.get(f"{arm}_repeats") or []) for cell in cells if f"{arm}_repeats" in cell}
-        runs |= {len(cell[arm].get("itl_ms_repeats") or []) for cell in cells if isinstance(cell.get(arm), dict)}
-        counts[arm] = runs.pop() if len(runs) == 1 and 0 not in runs else None
+        # a cell only profiled has no runs: it says nothing
+        runs = {len(cell[f"{arm}_repeats"]) for cell in cells if cell.get(f"{arm}_repeats")}
+        runs |= {len(cell[arm]["itl_ms_repeats"]) for cell in cells
+                 if isinstance(cell.get(arm), dict) and cell[arm].get("itl_ms_repeats")}
+        counts[arm] = runs.pop() if len(runs) == 1 else None
     values = set(counts.values())
     if len(values) == 1:
         (n,) = values

@@ -722,6 +722,8 @@ def test_repeats_of(e2e):
     assert e2e.repeats_of(ttft([1.0] * 5, [1.0] * 5)) == "5 run(s)"
     assert e2e.repeats_of(ttft([1.0] * 3, [1.0] * 5)) == "3 (on), 5 (off) run(s)"
     assert e2e.repeats_of(ttft(None, [1.0] * 3)) == "? (on), 3 (off) run(s)"  # an old arm file
+    profiled_only = {"prompt_tokens": 8192, "on_repeats": None, "off_repeats": None}
+    assert e2e.repeats_of(ttft([1.0] * 4, [1.0] * 4) + [profiled_only]) == "4 run(s)"
     decode = [{"concurrency": 1, "stock": {"itl_ms_repeats": [2.0, 2.1]}, "off": {"itl_ms_repeats": [2.0, 2.2]}}]
     assert e2e.repeats_of(decode, ("stock", "off")) == "2 run(s)"
     assert e2e.repeats_of([{"concurrency": 1, "on": {}, "off": {}}]) == "runs not recorded"
