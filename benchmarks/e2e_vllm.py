@@ -159,7 +159,6 @@ EXTRA_ARMS = {
               "'off' (the plugin installed and switched off, the plugin arms' baseline), what that costs, and two "
               "engines' floor without the plugin."),
 }
-REPORT_ARMS = ("on", "off")  # the report's main comparison; the optional arms get sections beside off
 PLUGIN_NAME = "moe_grouped_decode"  # the plugin's vllm.general_plugins entry point
 PHASES = ("decode", "ttft", "agreement", "teacher_forced", "profile")  # what an arm measures, in this order
 DEFAULT_SHAPE = (512, 10, 2560, 160, 32)  # qwen3.8 at TP4: one rank's shard
@@ -1064,7 +1063,7 @@ def compare_decode(arms: dict, a: str, b: str) -> List[dict]:
     """Decode cells of arm ``a`` against arm ``b``: tok/s ratio, GPU time per step, busy share;
     for arms of one ``--paired`` run, as ``compare_ttft`` does, the median of the per-pair ratios
     and the pairs ``a`` won."""
-    paired = paired_arms(arms, a, b) is not None and not arms[a].get("errors") and not arms[b].get("errors")
+    paired = repeats_pair(arms, a, b)
     decode = []
     profiles = {arm: _by(arms[arm], "profile", "concurrency") for arm in (a, b)}
     b_decode = _by(arms[b], "decode", "concurrency")
@@ -1125,6 +1124,13 @@ def paired_arms(arms: dict, a: str, b: str) -> Optional[List[str]]:
     return None
 
 
+def repeats_pair(arms: dict, a: str, b: str) -> bool:
+    """Whether repeat i of arm ``a`` and of arm ``b`` ran in one round of turns: arms of one
+    ``--paired`` run, neither with an error (a phase cut short shifts its later units to other
+    rounds)."""
+    return paired_arms(arms, a, b) is not None and not arms[a].get("errors") and not arms[b].get("errors")
+
+
 def repeats_of(cells: List[dict], arms: Tuple[str, str] = ("on", "off")) -> str:
     """How many runs each cell's median is of, as the arm files hold them (per arm where they
     differ; a report rebuilt by --report-only must not take its own command's --repeats)."""
@@ -1169,7 +1175,7 @@ def compare_ttft(arms: dict, a: str, b: str) -> List[dict]:
     and the pairs ``a`` won: the host's drift cancels within a pair. Not where either arm had an
     error (a phase cut short shifts its later units to other rounds) or their repeats differ.
     """
-    paired = paired_arms(arms, a, b) is not None and not arms[a].get("errors") and not arms[b].get("errors")
+    paired = repeats_pair(arms, a, b)
     ttft = {arm: _by(arms[arm], "ttft", "prompt_tokens") for arm in (a, b)}
     prefill = {arm: _by(arms[arm], "profile_prefill", "prompt_tokens") for arm in (a, b)}
     timed = [n for n in ttft[a] if n in ttft[b]]
