@@ -60,11 +60,12 @@ def main(argv=None) -> int:
         sass_stats.stats(f"Marlin w13 {text} ({w13_warps} warps)", w13, 64 * (K // splits))
         w2 = sass_stats.compile_kernel(
             marlin_w2_kernel, dict(shape, WARPS=w2_warps, SPLITS=splits, N_PAD=1 << (N - 1).bit_length(), TOP_K=k,
-                                   FUSED_COMBINE=True, ROW_WARPS=row_warps),
+                                   FUSED_COMBINE=config.fused_combine, ROW_WARPS=row_warps,
+                                   N_SPLITS=config.w2_n_splits),
             dict(ids_ptr="*i32", partials_ptr="*fp32", qweight_ptr="*i32", scales_ptr="*fp16", qzeros_ptr="*i32",
                  act_ptr="*fp16", row_out_ptr="*fp32", out_ptr="*fp16", topk_weights_ptr="*fp32", arrivals_ptr="*i32"),
             w2_warps * row_warps, dict(stride_om=K))
-        sass_stats.stats(f"Marlin w2 {text} ({w2_warps * row_warps} warps)", w2, N * 64 * w2_warps)
+        sass_stats.stats(f"Marlin w2 {text} ({w2_warps * row_warps} warps)", w2, N // config.w2_n_splits * 64 * w2_warps)
     return 0
 
 

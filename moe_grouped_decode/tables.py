@@ -260,7 +260,7 @@ def _coserve_from_json(c: dict) -> CoserveTable:
 
 # kernels/marlin_grouped.py's launch config: counts, and whether W2 fuses the combine
 _COSERVE_COUNTS = {"w13_warps", "w13_chunks", "w2_warps"}
-_COSERVE_OPTIONAL_COUNTS = {"w2_row_warps"}
+_COSERVE_OPTIONAL_COUNTS = {"w2_row_warps", "w2_n_splits"}
 
 
 def _coserve_launch_entry_ok(entry) -> bool:

@@ -6,7 +6,8 @@ to vLLM's load step, tests/test_marlin_layout.py) and checks the kernels' output
 reference of the AutoAWQ layer. The cases cover: N padded to N_p (gate and up each: N = 96 and 160
 at G = 32, the only padding vLLM makes, since N is a multiple of G), N == G (vLLM's channelwise
 scale order; at G = 32 with padding too), G = 32 / 64 / 128, a W2 past
-awq_mma.UNROLLED_CHUNKS (its chunk loop), several warps in both kernels, W2's row warps, an id outside [0, E),
+awq_mma.UNROLLED_CHUNKS (its chunk loop), several warps in both kernels, W2's row warps and N splits,
+an id outside [0, E),
 fp16 and bf16, the combine fused into W2 and as its own launch. Then the co-served op's CUDA
 implementation (ops/marlin.py), whose launch config per M comes from a registered table, against
 the op's CPU implementation; and the tune's co-serving measurement (benchmarking/coserve.py) with
@@ -54,9 +55,15 @@ CASES = [
     # the shipped co-serving tables' config: one W13 warp over eight K-chunks, two W2 warps
     (4, 2, 256, 128, 64, 3, "random", F16, (1, 8, 2)),  # G = 64: grouped scales, one K split
     (4, 3, 512, 96, 32, 4, "round_robin", BF16, (1, 8, 2)),  # two K splits, N_p = 128
+    # W2 in N splits: each program over N / S rows of its column tile, the parts summed in the combine
+    (4, 2, 128, 128, 32, 3, "random", F16, (1, 1, 1, True, 1, 2)),  # two chunks a split
+    (4, 3, 512, 192, 64, 4, "round_robin", BF16, (1, 8, 2, True, 1, 2)),  # the shipped W13, two K splits
+    (2, 1, 128, 512, 128, 2, "random", F16, (1, 4, 1, True, 2, 2)),  # row warps inside each split
+    (2, 1, 128, 1792, 128, 2, "invalid", F16, (1, 4, 1, True, 1, 2)),  # 28 chunks a split: the loop
     # the combine as a launch of its own (the rest fuse it into W2)
     (4, 3, 192, 160, 32, 5, "single_hot", F16, (1, 2, 1, False)),
     (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False)),
+    (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False, 1, 4)),  # over four N splits, N == G
 ]
 
 
@@ -64,8 +71,9 @@ def main() -> None:
     # W2's chunks a warp past the held ones: some cases loop, some run unrolled, with and without row warps
     after_held = {False: set(), True: set()}  # keyed by: with row warps
     for case in CASES:
-        row_warps = MarlinGroupedConfig(*case[8]).w2_row_warps
-        after_held[row_warps > 1].add(case[3] // 32 // row_warps - HELD_CHUNKS)
+        config = MarlinGroupedConfig(*case[8])
+        after_held[config.w2_row_warps > 1].add(case[3] // 32 // config.w2_row_warps // config.w2_n_splits
+                                                - HELD_CHUNKS)
     for row_warps, counts in after_held.items():
         assert max(counts) > UNROLLED_CHUNKS and any(0 < n <= UNROLLED_CHUNKS for n in counts), (row_warps, counts)
     gen = torch.Generator().manual_seed(11)
@@ -121,7 +129,11 @@ def check_coserved_op(gen) -> None:
               {"M": 3, "config": {"w13_warps": 2, "w13_chunks": 2, "w2_warps": 2, "fused_combine": False}},
               {"M": 4, "config": {"w13_warps": 8, "w13_chunks": 4, "w2_warps": 1, "fused_combine": True}},
               {"M": 5, "config": {"w13_warps": 1, "w13_chunks": 1, "w2_warps": 1, "fused_combine": True,
-                                  "w2_row_warps": 8}})
+                                  "w2_row_warps": 8}},
+              {"M": 6, "config": {"w13_warps": 1, "w13_chunks": 2, "w2_warps": 1, "fused_combine": True,
+                                  "w2_n_splits": 2}},
+              {"M": 7, "config": {"w13_warps": 1, "w13_chunks": 2, "w2_warps": 1, "fused_combine": True,
+                                  "w2_row_warps": 2, "w2_n_splits": 4}})
     gpu = device_facts(torch.device("cpu")).name
     route = tables.RouteTable(tokens=(1,), routes=("grouped",), plugin_us=(1.0,), vllm_us={"marlin": (2.0,)},
                               grouped_tokens=None)
@@ -129,19 +141,21 @@ def check_coserved_op(gen) -> None:
                                  versions={}, routes=route,
                                  coserve=tables.CoserveTable((1,), (1.0,), {"marlin": (2.0,)}, launch))
     with tables.table_registered(table):
-        chosen = [coserved_config(gpu, table.shape, "fp16", M) for M in (1, 2, 3, 4, 5, 9)]
-        want = [(1, 1, 1, True, 1), (1, 2, 1, True, 4), (2, 2, 2, False, 1), (4, 4, 2, True, 1), (4, 4, 2, True, 1),
-                (4, 4, 2, True, 1)]
-        got = [(c.w13_warps, c.w13_chunks, c.w2_warps, c.fused_combine, c.w2_row_warps) for c in chosen]
-        # the default where 8 x 4 x 32 rows do not tile K = 512 and 8 row warps not N = 128's 4 chunks
+        chosen = [coserved_config(gpu, table.shape, "fp16", M) for M in (1, 2, 3, 4, 5, 6, 7, 9)]
+        want = [(1, 1, 1, True, 1, 1), (1, 2, 1, True, 4, 1), (2, 2, 2, False, 1, 1), (4, 4, 2, True, 1, 1),
+                (4, 4, 2, True, 1, 1), (1, 2, 1, True, 1, 2), (4, 4, 2, True, 1, 1), (4, 4, 2, True, 1, 1)]
+        got = [(c.w13_warps, c.w13_chunks, c.w2_warps, c.fused_combine, c.w2_row_warps, c.w2_n_splits)
+               for c in chosen]
+        # the default where 8 x 4 x 32 rows do not tile K = 512, and where 8 row warps, or 2 row warps
+        # in each of 4 N splits, do not tile N = 128's 4 chunks
         if got != want:
             fail(f"co-served configs per M {got}, expected {want}")
-        for M in (1, 2, 3):
+        for M in (1, 2, 3, 6):
             x = torch.randn(M, K, generator=gen).to(F16)
             tw = torch.rand(M, k, generator=gen)
             ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32)
             args = (x, tw, ids, *marlin.tensors(), N, G, marlin.scales_grouped)
-            check(f"co-served op (CUDA implementation) M={M} config {got[M - 1]}",
+            check(f"co-served op (CUDA implementation) M={M} config {got[min(M, 6) - 1]}",
                   awq_marlin_grouped_decode_cuda(*args), reference_moe(x, tw, ids, awq), F16)
             check(f"co-served op (CPU implementation) M={M}", awq_marlin_grouped_decode(*args),
                   reference_moe(x, tw, ids, awq), F16)

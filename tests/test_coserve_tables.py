@@ -116,6 +116,20 @@ def test_a_co_serving_table_round_trips_through_its_file(tmp_path):
     assert "coserve" not in json.loads(path.read_text()) and tables.read_dir(tmp_path)[0].coserve is None
 
 
+def test_every_launch_config_the_tune_can_pick_round_trips_through_its_table(tmp_path):
+    """The tune writes each winner's every field (``dataclasses.asdict``): the table's format must
+    take every field the launch config has, and give the same config back."""
+    from moe_grouped_decode.benchmarking.coserve import COSERVE_CANDIDATES, launch_entries, parse_config
+    from moe_grouped_decode.kernels.marlin_grouped import config_from_entry
+
+    best = {m: dataclasses.asdict(parse_config(text)) for m, text in enumerate(COSERVE_CANDIDATES, start=1)}
+    t = table(coserve((2.0,) * 6, launch=launch_entries(best)))
+    tables.write_table(t, tmp_path)
+    back = tables.read_dir(tmp_path)[0]
+    assert back == t
+    assert [config_from_entry(e) for e in back.coserve.launch] == [parse_config(x) for x in COSERVE_CANDIDATES]
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda c: c.update(tokens=[2, 1, 3, 4, 6, 8]), "ascending"),
     (lambda c: c["coserved_us"].pop(), "one value per token count"),
@@ -197,10 +211,12 @@ def test_the_supported_models_row_says_where_a_shape_is_co_served():
 
 
 @pytest.mark.parametrize("text, fields", [
-    ("2x4x2", dict(w13_warps=2, w13_chunks=4, w2_warps=2, fused_combine=True, w2_row_warps=1)),
-    ("4x2x1s", dict(w13_warps=4, w13_chunks=2, w2_warps=1, fused_combine=False, w2_row_warps=1)),
-    ("2x4x1r4", dict(w13_warps=2, w13_chunks=4, w2_warps=1, fused_combine=True, w2_row_warps=4)),
-    ("8x2x2r2s", dict(w13_warps=8, w13_chunks=2, w2_warps=2, fused_combine=False, w2_row_warps=2)),
+    ("2x4x2", dict(w13_warps=2, w13_chunks=4, w2_warps=2, fused_combine=True, w2_row_warps=1, w2_n_splits=1)),
+    ("4x2x1s", dict(w13_warps=4, w13_chunks=2, w2_warps=1, fused_combine=False, w2_row_warps=1, w2_n_splits=1)),
+    ("2x4x1r4", dict(w13_warps=2, w13_chunks=4, w2_warps=1, fused_combine=True, w2_row_warps=4, w2_n_splits=1)),
+    ("8x2x2r2s", dict(w13_warps=8, w13_chunks=2, w2_warps=2, fused_combine=False, w2_row_warps=2, w2_n_splits=1)),
+    ("1x8x2n4", dict(w13_warps=1, w13_chunks=8, w2_warps=2, fused_combine=True, w2_row_warps=1, w2_n_splits=4)),
+    ("2x4x1r2n2s", dict(w13_warps=2, w13_chunks=4, w2_warps=1, fused_combine=False, w2_row_warps=2, w2_n_splits=2)),
 ])
 def test_a_co_serving_candidate_reads_and_prints_the_same(text, fields):
     from moe_grouped_decode.benchmarking.coserve import config_text, parse_config
@@ -210,7 +226,7 @@ def test_a_co_serving_candidate_reads_and_prints_the_same(text, fields):
     assert config_text(fields) == text
 
 
-@pytest.mark.parametrize("text", ["2x4", "2x4x2r", "2x4x2sr2", "a2x4x2", "2x4x2 "])
+@pytest.mark.parametrize("text", ["2x4", "2x4x2r", "2x4x2sr2", "a2x4x2", "2x4x2 ", "1x8x2n", "1x8x2n2r2"])
 def test_a_malformed_co_serving_candidate_is_an_error(text):
     from moe_grouped_decode.benchmarking.coserve import parse_config
 
@@ -223,6 +239,9 @@ def test_a_malformed_co_serving_candidate_is_an_error(text):
     ((2, 4, 2, True, 4), 2048, 160, "does not tile N"),  # 5 chunks of N over 4 row warps
     ((2, 4, 2, True, 3), 2048, 192, "power of 2"),  # 6 chunks, yet 96 lanes are no arange
     ((2, 4, 2, True, 0), 2048, 512, "power of 2"),
+    ((1, 8, 2, True, 1, 8), 4096, 1408, "does not tile N"),  # 44 chunks over 8 N splits
+    ((1, 8, 2, True, 2, 4), 2048, 128, "does not tile N"),  # 4 chunks: 2 row warps in each of 4 splits
+    ((1, 8, 2, True, 1, 3), 2048, 768, "power of 2"),  # 24 chunks would divide, a split is no arange
 ])
 def test_a_launch_config_that_does_not_tile_the_layer_is_refused(config, K, N, message):
     from moe_grouped_decode.kernels.marlin_grouped import MarlinGroupedConfig

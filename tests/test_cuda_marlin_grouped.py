@@ -47,17 +47,22 @@ def layer(request):
                                     MarlinGroupedConfig(2, 4, 2, w2_row_warps=4),
                                     MarlinGroupedConfig(4, 2, 1, w2_row_warps=2),
                                     # the shipped co-serving tables' picks
-                                    MarlinGroupedConfig(1, 8, 2), MarlinGroupedConfig(1, 4, 2)], ids=str)
+                                    MarlinGroupedConfig(1, 8, 2), MarlinGroupedConfig(1, 4, 2),
+                                    # W2 in N splits, fused and as its own launch
+                                    MarlinGroupedConfig(1, 8, 2, w2_n_splits=2),
+                                    MarlinGroupedConfig(1, 8, 2, fused_combine=False, w2_n_splits=4)], ids=str)
 def test_marlin_grouped_matches_reference(layer, M, config):
     awq, tensors, grouped, (E, k, K, N, G), dtype = layer
-    gen = torch.Generator().manual_seed(M + 10 * config.w13_warps + 100 * config.w2_warps + 1000 * config.w2_row_warps)
+    gen = torch.Generator().manual_seed(M + 10 * config.w13_warps + 100 * config.w2_warps + 1000 * config.w2_row_warps
+                                        + 10000 * config.w2_n_splits)
     x = torch.randn(M, K, generator=gen).to(dtype)
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
     tw = torch.rand(M, k, generator=gen)
     out = torch.full((M, K), float("nan"), dtype=dtype, device="cuda")
     use_pdl = torch.cuda.get_device_capability()[0] >= 9
     args = (x.cuda(), tw.cuda(), ids.cuda(), *tensors, N, G, grouped, config, use_pdl)
-    if N % (32 * config.w2_row_warps):  # qwen3.8's N = 160 is 5 chunks: row warps cannot share them
+    if N % (32 * config.w2_row_warps * config.w2_n_splits):  # qwen3.8's N = 160 is 5 chunks: row warps
+        # and N splits cannot share them
         with pytest.raises(ValueError, match="does not tile N"):
             launch_marlin_grouped(*args, out=out)
         assert torch.isnan(out).all()  # refused before any launch

@@ -14,16 +14,17 @@ Programs::
          many of up (a tile of padding only is never read; the padded columns of the last tile
          are computed and not stored)
          -> float32 partials[s, row, 2N] (gate then up, unpadded)
-    W2:  program (row, column tile): silu(gate) * up from the partials -> act[row] (16-bit),
-         then each of WARPS column warps takes 64 output columns over the N real rows, its
-         ROW_WARPS warps every ROW_WARPS-th 32-row chunk each, their sums added -> float32
-         row_out[row, K];
-         FUSED_COMBINE: the last of a token's k programs on the tile (an int32 arrival counter per
-         (token, tile)) writes the token's combined columns
+    W2:  program (row, column tile, N split): silu(gate) * up from the partials -> act[row]
+         (16-bit) over the split's N / N_SPLITS rows, then each of WARPS column warps takes 64
+         output columns over those rows, its ROW_WARPS warps every ROW_WARPS-th 32-row chunk
+         each, their sums added -> float32 row_out[split, row, K];
+         FUSED_COMBINE: the last of a token's k x N_SPLITS programs on the tile (an int32 arrival
+         counter per (token, tile)) writes the token's combined columns
     combine (a launch of its own without FUSED_COMBINE):
-         out[t] = sum_j topk_weights[t, j] * row_out[t * k + j]  (j order)
+         out[t] = sum_j topk_weights[t, j] * (sum_s row_out[s, t * k + j])  (s, then j order)
 
-Every sum has a fixed order for a given launch config (splits, warps, chunks, row warps, j),
+Every sum has a fixed order for a given launch config (splits, warps, chunks, row warps, N
+splits, j),
 so a token's bits depend on its own inputs and that config only. An id outside [0, E) reads
 expert 0 and its row output is 0.
 """
@@ -39,11 +40,12 @@ import triton.language as tl
 
 from .. import tables
 from .awq_mma import CHUNK_LOOP_UNROLL, CHUNK_ROWS, UNROLLED_CHUNKS, chunk_lanes
+from .awq_tiles import silu_mul
 from .combine import combine_sums
 from .marlin_mma import (MARLIN_TILE_COLUMNS, MARLIN_TILE_WORDS, marlin_chunk_columns, marlin_chunk_rows,
                          marlin_mma_chunk, marlin_word_offsets)
 from .pdl import launch_options, let_next_launch_start, wait_for_previous_launch
-from .w2_tl import HELD_CHUNKS, row_activations
+from .w2_tl import ACT_BLOCK, HELD_CHUNKS, row_activations
 
 
 @triton.jit
@@ -135,6 +137,43 @@ def _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e
 
 
 @triton.jit
+def _span_activations(partials_ptr, act_ptr, row, rows, n_lo, SPAN: tl.constexpr, N: tl.constexpr,
+                      SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """act[row, n_lo : n_lo + SPAN] = silu(gate) * up from the W13 partials summed in split order
+    (``row_activations``' sums, over one N split's rows only: the rows its program reads back), in
+    tiles of BLOCK (a power of 2)."""
+    for n0 in range(0, SPAN, BLOCK):
+        n = n_lo + n0 + tl.arange(0, BLOCK)
+        inside = n0 + tl.arange(0, BLOCK) < SPAN
+        gate = tl.zeros([BLOCK], dtype=tl.float32)
+        up = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            part = partials_ptr + (s * rows + row) * (2 * N) + n
+            gate += tl.load(part, mask=inside, other=0.0)
+            up += tl.load(part + N, mask=inside, other=0.0)
+        tl.store(act_ptr + row * N + n, silu_mul(gate, up).to(act_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _split_combine_sums(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, rows, t, cols, col_ok,
+                        TOP_K: tl.constexpr, K: tl.constexpr, N_SPLITS: tl.constexpr):
+    """``combine_sums`` over row outputs in N_SPLITS parts: each slot's row is its parts summed in
+    split order, then weighted and summed in j order (read from L2: other programs wrote them)."""
+    t = t.to(tl.int64)
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        weight = tl.load(topk_weights_ptr + t * TOP_K + j).to(tl.float32)
+        expert = tl.load(topk_ids_ptr + t * TOP_K + j)
+        weight = tl.where((expert >= 0) & (expert < num_experts), weight, 0.0)
+        row_sum = tl.zeros(cols.shape, dtype=tl.float32)
+        for s in tl.static_range(N_SPLITS):
+            row_sum += tl.load(row_out_ptr + (s * rows + t * TOP_K + j) * K + cols, mask=col_ok, other=0.0,
+                               cache_modifier=".cg")
+        acc += weight * row_sum
+    return acc
+
+
+@triton.jit
 def marlin_w2_kernel(
     ids_ptr, num_experts, partials_ptr,
     qweight_ptr, scales_ptr, qzeros_ptr,
@@ -143,17 +182,27 @@ def marlin_w2_kernel(
     K: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr,
     WARPS: tl.constexpr, N_PAD: tl.constexpr, SCALES_GROUPED: tl.constexpr, IS_BF16: tl.constexpr,
     USE_PDL: tl.constexpr, TOP_K: tl.constexpr = 1, FUSED_COMBINE: tl.constexpr = False,
-    ROW_WARPS: tl.constexpr = 1,
+    ROW_WARPS: tl.constexpr = 1, N_SPLITS: tl.constexpr = 1,
 ):
-    """row_out[row, cols] = (silu(gate) * up)[row] @ W2[topk_ids[row]][:, cols], float32."""
+    """row_out[split, row, cols] = (silu(gate) * up)[row, split's rows] @ W2[topk_ids[row]][split's
+    rows, cols], float32."""
     # with the combine fused, W2 is the op's last launch: what follows must not start before it ends
     let_next_launch_start(USE_PDL and not FUSED_COMBINE)
     row = tl.program_id(0)
     tile = tl.program_id(1)
-    # ROW_WARPS warps share a column tile, each taking every ROW_WARPS-th chunk of the N rows: a
-    # shorter chain of dependent loads per warp where few rows leave the SMs half idle
-    ITERS: tl.constexpr = N // CHUNK_ROWS // ROW_WARPS
-    tl.static_assert(ITERS * ROW_WARPS * CHUNK_ROWS == N, "the row warps must divide N's 32-row chunks")
+    # N_SPLITS programs share a (row, column tile), each over N / N_SPLITS rows: more programs, and
+    # shorter chains, where few rows times K / 128 tiles leave the SMs idle (large N, few tokens)
+    SPLIT_CHUNKS: tl.constexpr = N // CHUNK_ROWS // N_SPLITS
+    if N_SPLITS > 1:
+        n_split = tl.program_id(2)
+    else:
+        n_split = 0
+    # ROW_WARPS warps share a column tile, each taking every ROW_WARPS-th chunk of the split's rows:
+    # a shorter chain of dependent loads per warp where few rows leave the SMs half idle
+    ITERS: tl.constexpr = SPLIT_CHUNKS // ROW_WARPS
+    tl.static_assert(ITERS * ROW_WARPS * N_SPLITS * CHUNK_ROWS == N,
+                     "the row warps times the N splits must divide N's 32-row chunks")
+    first_chunk = n_split * SPLIT_CHUNKS
     # the first HELD iterations' weights are loaded before the wait for W13 (they stream in while it
     # finishes), the rest in the chunk loop after it
     HELD: tl.constexpr = min(ITERS, HELD_CHUNKS)
@@ -170,25 +219,30 @@ def marlin_w2_kernel(
     qzeros_base = qzeros_ptr + expert * (N_P // G * (K // 8)) + col_tile * 8 + g
     held = ()
     for i in tl.static_range(HELD):
-        held += (_w2_chunk_weights(qweight_base, scales_base, qzeros_base, i * ROW_WARPS + row_warp, block, K, G),)
+        held += (_w2_chunk_weights(qweight_base, scales_base, qzeros_base, first_chunk + i * ROW_WARPS + row_warp,
+                                   block, K, G),)
     wait_for_previous_launch(USE_PDL)
-    row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
+    if N_SPLITS > 1:
+        _span_activations(partials_ptr, act_ptr, row, rows, first_chunk * CHUNK_ROWS, SPLIT_CHUNKS * CHUNK_ROWS, N,
+                          SPLITS, min(N_PAD // N_SPLITS, ACT_BLOCK))
+    else:
+        row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
     tl.debug_barrier()  # every thread's act stores happen before any thread reads them back
     acc_lo = tl.zeros([32 * LANE_WARPS, 8], dtype=tl.float32)
     acc_hi = tl.zeros([32 * LANE_WARPS, 8], dtype=tl.float32)
     for i in tl.static_range(HELD):
         words, scales, zeros = held[i]
-        acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, i * ROW_WARPS + row_warp, words, scales, zeros, acc_lo, acc_hi,
-                                       g, t, e, N, IS_BF16, LANE_WARPS)
+        acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, first_chunk + i * ROW_WARPS + row_warp, words, scales, zeros,
+                                       acc_lo, acc_hi, g, t, e, N, IS_BF16, LANE_WARPS)
     if ITERS - HELD <= UNROLLED_CHUNKS:
         for i in tl.static_range(HELD, ITERS):
-            c = i * ROW_WARPS + row_warp
+            c = first_chunk + i * ROW_WARPS + row_warp
             words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K, G)
             acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
                                            IS_BF16, LANE_WARPS)
     else:
         for i in tl.range(HELD, ITERS, loop_unroll_factor=CHUNK_LOOP_UNROLL):
-            c = i * ROW_WARPS + row_warp
+            c = first_chunk + i * ROW_WARPS + row_warp
             words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K, G)
             acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
                                            IS_BF16, LANE_WARPS)
@@ -201,29 +255,39 @@ def marlin_w2_kernel(
     acc_hi = tl.where(valid, acc_hi, 0.0)
     col = col_tile * MARLIN_TILE_COLUMNS + marlin_chunk_columns(g, e)
     keep = (t == 0) & (e % 2 == 0)
-    tl.store(row_out_ptr + row * K + col, acc_lo, mask=keep)
-    tl.store(row_out_ptr + row * K + col + 32, acc_hi, mask=keep)
+    out_row = row_out_ptr + (n_split * rows + row) * K
+    tl.store(out_row + col, acc_lo, mask=keep)
+    tl.store(out_row + col + 32, acc_hi, mask=keep)
     if FUSED_COMBINE:
         token = row // TOP_K
         tl.debug_barrier()  # every thread's row_out stores happen before the release below
         arrived = tl.atomic_add(arrivals_ptr + token * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == TOP_K - 1:
+        if arrived == TOP_K * N_SPLITS - 1:
             cols = tile * (WARPS * MARLIN_TILE_COLUMNS) + tl.arange(0, WARPS * MARLIN_TILE_COLUMNS)
             col_ok = cols < K
-            acc = combine_sums(row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, token, cols, col_ok, TOP_K, K)
+            if N_SPLITS > 1:
+                acc = _split_combine_sums(row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, rows, token, cols,
+                                          col_ok, TOP_K, K, N_SPLITS)
+            else:
+                acc = combine_sums(row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, token, cols, col_ok, TOP_K, K)
             tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
-def marlin_combine_kernel(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, out_ptr, stride_om,
-                          TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[t, cols] = sum_j topk_weights[t, j] * row_out[t * k + j, cols] in j order; an id
-    outside [0, E) adds nothing."""
+def marlin_combine_kernel(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, out_ptr, stride_om, rows,
+                          TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+                          N_SPLITS: tl.constexpr = 1):
+    """out[t, cols] = sum_j topk_weights[t, j] * (sum_s row_out[s, t * k + j, cols]) in s, then j
+    order; an id outside [0, E) adds nothing."""
     wait_for_previous_launch(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < K
-    acc = combine_sums(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, t, cols, col_ok, TOP_K, K)
+    if N_SPLITS > 1:
+        acc = _split_combine_sums(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, rows, t, cols, col_ok,
+                                  TOP_K, K, N_SPLITS)
+    else:
+        acc = combine_sums(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, t, cols, col_ok, TOP_K, K)
     tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -231,14 +295,16 @@ def marlin_combine_kernel(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_exper
 class MarlinGroupedConfig:
     """Launch config of the grouped decode over Marlin tensors: W13's warps and 32-row chunks per
     warp (a K split is warps x chunks x 32 rows; it must divide K), W2's column warps (64 output
-    columns each; 64 x warps must divide K) and its row warps per column warp (each every
-    ``w2_row_warps``-th 32-row chunk of N; a power of 2 dividing N / 32)."""
+    columns each; 64 x warps must divide K), its row warps per column warp (each every
+    ``w2_row_warps``-th 32-row chunk of its rows) and its N splits (programs that each take
+    N / ``w2_n_splits`` rows of a column tile); both powers of 2 whose product divides N / 32."""
 
     w13_warps: int = 4
     w13_chunks: int = 4
     w2_warps: int = 2
     fused_combine: bool = True  # the last of a token's W2 programs on a tile combines it (one launch fewer)
     w2_row_warps: int = 1
+    w2_n_splits: int = 1
 
     def splits(self, hidden_size: int, intermediate_size: int) -> int:
         """W13's K splits for K = ``hidden_size``; ValueError where the config does not tile the
@@ -247,10 +313,11 @@ class MarlinGroupedConfig:
         if hidden_size % rows or hidden_size % (MARLIN_TILE_COLUMNS.value * self.w2_warps):
             raise ValueError(f"config {self} does not tile K = {hidden_size}: a K split is {rows} rows, "
                              f"a W2 program {MARLIN_TILE_COLUMNS.value * self.w2_warps} columns")
-        row_warps = self.w2_row_warps
-        if row_warps < 1 or row_warps & (row_warps - 1) or intermediate_size % (CHUNK_ROWS.value * row_warps):
-            raise ValueError(f"config {self} does not tile N = {intermediate_size}: its W2 row warps, a power "
-                             f"of 2, take {CHUNK_ROWS.value} rows each in turn")
+        row_warps, n_splits = self.w2_row_warps, self.w2_n_splits
+        if any(v < 1 or v & (v - 1) for v in (row_warps, n_splits)) or \
+                intermediate_size % (CHUNK_ROWS.value * row_warps * n_splits):
+            raise ValueError(f"config {self} does not tile N = {intermediate_size}: its W2 row warps and N splits, "
+                             f"each a power of 2, take {CHUNK_ROWS.value} rows each in turn")
         return hidden_size // rows
 
 
@@ -324,9 +391,10 @@ def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     splits = config.splits(K, N)
     R = M * top_k
     dev, dtype = x.device, x.dtype
+    n_splits = config.w2_n_splits
     partials = torch.empty(splits, R, 2 * N, dtype=torch.float32, device=dev)
     act = torch.empty(R, N, dtype=dtype, device=dev)
-    row_out = torch.empty(R, K, dtype=torch.float32, device=dev)
+    row_out = torch.empty(n_splits, R, K, dtype=torch.float32, device=dev)
     if out is None:
         out = torch.empty(M, K, dtype=dtype, device=dev)
     if M == 0:
@@ -341,14 +409,15 @@ def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         TOP_K=top_k, K=K, N=N, N_P=N_p, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps, SPLITS=splits,
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl,
         ARRIVALS_PAD=triton.next_power_of_2(arrivals.numel()) if fused else 0, num_warps=config.w13_warps)
-    marlin_w2_kernel[(R, w2_tiles)](
+    marlin_w2_kernel[(R, w2_tiles) if n_splits == 1 else (R, w2_tiles, n_splits)](
         topk_ids, E, partials, w2_qweight, w2_scales, w2_qzeros, act, row_out, R,
         topk_weights, out, out.stride(0), arrivals,
         K=K, N=N, N_P=N_p, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=triton.next_power_of_2(N),
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl, TOP_K=top_k, FUSED_COMBINE=fused,
-        ROW_WARPS=config.w2_row_warps, num_warps=config.w2_warps * config.w2_row_warps, **launch_options(use_pdl))
+        ROW_WARPS=config.w2_row_warps, N_SPLITS=n_splits, num_warps=config.w2_warps * config.w2_row_warps,
+        **launch_options(use_pdl))
     if not fused:
         marlin_combine_kernel[(M, triton.cdiv(K, COMBINE_BLOCK))](
-            row_out, topk_weights, topk_ids, E, out, out.stride(0), TOP_K=top_k, K=K, BLOCK_K=COMBINE_BLOCK,
-            USE_PDL=use_pdl, num_warps=2, **launch_options(use_pdl))
+            row_out, topk_weights, topk_ids, E, out, out.stride(0), R, TOP_K=top_k, K=K, BLOCK_K=COMBINE_BLOCK,
+            USE_PDL=use_pdl, N_SPLITS=n_splits, num_warps=2, **launch_options(use_pdl))
     return out
