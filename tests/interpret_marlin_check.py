@@ -60,6 +60,7 @@ CASES = [
     (4, 3, 512, 192, 64, 4, "round_robin", BF16, (1, 8, 2, True, 1, 2)),  # the shipped W13, two K splits
     (2, 1, 128, 512, 128, 2, "random", F16, (1, 4, 1, True, 2, 2)),  # row warps inside each split
     (2, 1, 128, 1792, 128, 2, "invalid", F16, (1, 4, 1, True, 1, 2)),  # 28 chunks a split: the loop
+    (2, 1, 128, 768, 128, 2, "random", BF16, (1, 4, 1, True, 1, 2)),  # 12 a split: 6 held, 6 unrolled after
     # the combine as a launch of its own (the rest fuse it into W2)
     (4, 3, 192, 160, 32, 5, "single_hot", F16, (1, 2, 1, False)),
     (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False)),
@@ -68,14 +69,15 @@ CASES = [
 
 
 def main() -> None:
-    # W2's chunks a warp past the held ones: some cases loop, some run unrolled, with and without row warps
-    after_held = {False: set(), True: set()}  # keyed by: with row warps
+    # W2's chunks a warp past the held ones: some cases loop, some run unrolled, with and without row
+    # warps, and in N splits
+    after_held = {"plain": set(), "row warps": set(), "N splits": set()}
     for case in CASES:
         config = MarlinGroupedConfig(*case[8])
-        after_held[config.w2_row_warps > 1].add(case[3] // 32 // config.w2_row_warps // config.w2_n_splits
-                                                - HELD_CHUNKS)
-    for row_warps, counts in after_held.items():
-        assert max(counts) > UNROLLED_CHUNKS and any(0 < n <= UNROLLED_CHUNKS for n in counts), (row_warps, counts)
+        kind = "N splits" if config.w2_n_splits > 1 else "row warps" if config.w2_row_warps > 1 else "plain"
+        after_held[kind].add(case[3] // 32 // config.w2_row_warps // config.w2_n_splits - HELD_CHUNKS)
+    for kind, counts in after_held.items():
+        assert max(counts) > UNROLLED_CHUNKS and any(0 < n <= UNROLLED_CHUNKS for n in counts), (kind, counts)
     gen = torch.Generator().manual_seed(11)
     for E, k, K, N, G, M, pattern, dtype, config in CASES:
         awq = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + N + M)

@@ -24,9 +24,8 @@ Programs::
          out[t] = sum_j topk_weights[t, j] * (sum_s row_out[s, t * k + j])  (s, then j order)
 
 Every sum has a fixed order for a given launch config (splits, warps, chunks, row warps, N
-splits, j),
-so a token's bits depend on its own inputs and that config only. An id outside [0, E) reads
-expert 0 and its row output is 0.
+splits, j), so a token's bits depend on its own inputs and that config only. An id outside
+[0, E) reads expert 0 and its row output is 0.
 """
 
 from __future__ import annotations
