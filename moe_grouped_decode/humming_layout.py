@@ -25,6 +25,7 @@ bit-equality with humming's own CUDA repack is checked on a GPU, not here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Tuple
 
 import torch
 
@@ -40,6 +41,14 @@ HUMMING_PAD_K = 128
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def humming_padded_sizes(hidden_size: int, intermediate_size: int) -> Tuple[int, int, int, int]:
+    """(W13's stored rows, its stored columns, W2's stored rows, its stored columns) for a layer
+    of K = ``hidden_size``, N = ``intermediate_size``: [K, 2N] and [N, K] padded at their ends."""
+    k, n = hidden_size, intermediate_size
+    return (_round_up(k, HUMMING_PAD_K), _round_up(2 * n, HUMMING_PAD_N), _round_up(n, HUMMING_PAD_K),
+            _round_up(k, HUMMING_PAD_N))
 
 
 def pack_plain_zeros(zeros: torch.Tensor) -> torch.Tensor:
@@ -79,11 +88,9 @@ def _pad(t: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, columns - t.shape[2], 0, rows - t.shape[1]))
 
 
-def _sublayer(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, pad_rows: int,
-              pad_columns: int):
+def _sublayer(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, padded_rows: int,
+              padded_columns: int):
     """One [E, rows, columns] matrix's logical values, scales and zeros -> Humming's three tensors."""
-    _, rows, columns = values.shape
-    padded_rows, padded_columns = _round_up(rows, pad_rows), _round_up(columns, pad_columns)
     groups = padded_rows // group_size
     return (repack_values(_pad(values, padded_rows, padded_columns)),
             permute_scales(_pad(scales, groups, padded_columns), grouped=True),
@@ -96,10 +103,11 @@ def awq_to_humming(weights: AwqMoeWeights) -> HummingMoeWeights:
     if k % TILE_K or k % g or n % g or HUMMING_PAD_K % g:
         raise ValueError(f"K = {k} must be a multiple of {TILE_K} and of G = {g}, N = {n} of G, and G divide "
                          f"{HUMMING_PAD_K}")
+    k_rows, w13_columns, n_rows, w2_columns = humming_padded_sizes(k, n)
     w13 = _sublayer(unpack_int4(weights.w13_qweight), weights.w13_scales, unpack_int4(weights.w13_qzeros), g,
-                    HUMMING_PAD_K, HUMMING_PAD_N)
-    w2 = _sublayer(unpack_int4(weights.w2_qweight), weights.w2_scales, unpack_int4(weights.w2_qzeros), g,
-                   HUMMING_PAD_K, HUMMING_PAD_N)
+                    k_rows, w13_columns)
+    w2 = _sublayer(unpack_int4(weights.w2_qweight), weights.w2_scales, unpack_int4(weights.w2_qzeros), g, n_rows,
+                   w2_columns)
     return HummingMoeWeights(*w13, *w2, group_size=g, hidden_size=k, intermediate_size=n)
 
 

@@ -10,8 +10,10 @@ awq_mma.UNROLLED_CHUNKS (its chunk loop), several warps in both kernels, W2's ro
 an id outside [0, E),
 fp16 and bf16, the combine fused into W2 and as its own launch. Then the co-served op's CUDA
 implementation (ops/marlin.py), whose launch config per M comes from a registered table, against
-the op's CPU implementation; and the tune's co-serving measurement (benchmarking/coserve.py) with
-a stand-in clock: which candidates it drops, which it keeps per M, the launch table it writes.
+the op's CPU implementation; the same kernels over Humming's tensors (humming_layout.awq_to_humming:
+each sublayer padded at its ends, zero points in plain nibble order), with rows, columns and N padded;
+and the tune's co-serving measurement (benchmarking/coserve.py) with a stand-in clock: which
+candidates it drops, which it keeps per M, the launch table it writes.
 Prints one line per case and exits non-zero on the first failure.
 """
 
@@ -30,7 +32,9 @@ from interpret_kernels_check import check, routing  # noqa: E402
 
 from moe_grouped_decode.awq import synthetic_moe_weights  # noqa: E402
 from moe_grouped_decode.kernels.awq_mma import UNROLLED_CHUNKS  # noqa: E402
-from moe_grouped_decode.kernels.marlin_grouped import MarlinGroupedConfig, launch_marlin_grouped  # noqa: E402
+from moe_grouped_decode.humming_layout import awq_to_humming, humming_padded_sizes  # noqa: E402
+from moe_grouped_decode.kernels.marlin_grouped import (MarlinGroupedConfig, launch_humming_grouped,  # noqa: E402
+                                                       launch_marlin_grouped)
 from moe_grouped_decode.kernels.w2_tl import HELD_CHUNKS  # noqa: E402
 from moe_grouped_decode.marlin_layout import awq_to_marlin  # noqa: E402
 from moe_grouped_decode.ops.reference import reference_moe  # noqa: E402
@@ -65,6 +69,14 @@ CASES = [
     (4, 3, 192, 160, 32, 5, "single_hot", F16, (1, 2, 1, False)),
     (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False)),
     (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False, 1, 4)),  # over four N splits, N == G
+]
+
+HUMMING_CASES = [
+    # (E, k, K, N, G, M, pattern, dtype, MarlinGroupedConfig fields): what Humming pads
+    (4, 2, 256, 128, 128, 3, "random", F16, (1, 8, 1)),  # nothing
+    (3, 3, 384, 64, 64, 4, "round_robin", BF16, (1, 4, 2)),  # W13's columns, W2's rows and columns
+    (2, 2, 320, 192, 64, 2, "invalid", F16, (1, 1, 1, True, 1, 2)),  # W13's rows too; W2 in N splits
+    (2, 1, 128, 768, 128, 2, "random", BF16, (1, 4, 1, False, 1, 2)),  # the combine on its own
 ]
 
 
@@ -104,6 +116,7 @@ def main() -> None:
         print(f"FAIL M = 0 gives {tuple(empty.shape)}", flush=True)
         sys.exit(1)
     print("ok   M = 0: an empty [0, K] output", flush=True)
+    check_humming(gen)
     check_coserved_op(gen)
     check_coserve_measurement()
     print("all interpreter marlin checks passed", flush=True)
@@ -112,6 +125,40 @@ def main() -> None:
 def fail(message: str) -> None:
     print(f"FAIL {message}", flush=True)
     sys.exit(1)
+
+
+def check_humming(gen) -> None:
+    """The kernels over Humming's tensors against the float64 reference of the AutoAWQ layer."""
+    paddings = set()
+    for E, k, K, N, G, M, pattern, dtype, config in HUMMING_CASES:
+        awq = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + N + M + 1)
+        hum = awq_to_humming(awq)
+        k_rows, w13_columns, n_rows, w2_columns = humming_padded_sizes(K, N)
+        paddings |= {name for name, padded in (("w13 rows", k_rows > K), ("w13 columns", w13_columns > 2 * N),
+                                               ("w2 rows", n_rows > N), ("w2 columns", w2_columns > K)) if padded}
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        tw = torch.rand(M, k, generator=gen)
+        if pattern == "invalid":
+            ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32)
+            ids[-1, -1] = -1
+        else:
+            ids = routing(pattern, M, k, E, gen)
+        out = torch.full((M, K), float("nan"), dtype=dtype)
+        launch_humming_grouped(x, tw, ids, *hum.tensors(), N, G, MarlinGroupedConfig(*config), out=out)
+        check(f"humming grouped E={E} k={k} K={K} N={N} G={G} M={M} {pattern} {dtype} config={config} (stored "
+              f"W13 [{k_rows}, {w13_columns}], W2 [{n_rows}, {w2_columns}])", out, reference_moe(x, tw, ids, awq), dtype)
+    if paddings != {"w13 rows", "w13 columns", "w2 rows", "w2 columns"}:
+        fail(f"the Humming cases pad only {sorted(paddings)}")
+    awq = synthetic_moe_weights(2, 128, 96, 32, seed=2)  # up would start inside a tile
+    try:
+        launch_humming_grouped(torch.zeros(1, 128, dtype=F16), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.int32),
+                               *awq_to_humming(awq).tensors(), 96, 32)
+    except ValueError as error:
+        if "multiple of 64" not in str(error):
+            fail(f"N = 96 refused with {error}")
+    else:
+        fail("N = 96 over Humming's tensors was not refused")
+    print("ok   N = 96 over Humming's tensors: refused (up's columns start inside a tile)", flush=True)
 
 
 def check_coserved_op(gen) -> None:

@@ -5,10 +5,14 @@ Runs on a CUDA GPU only (skipped elsewhere). The Marlin tensors come from marlin
 (bit-equal to vLLM's load step: tests/test_marlin_layout.py, and on the GPU
 benchmarks/marlin_grouped_check.py against vLLM's own repack). Shapes: Qwen3-30B-A3B at TP1 (N = 768),
 qwen3.8-tp4 (N = 160: padded to 192, G = 32), and an N == G layer (the channelwise scale order);
-fp16 and bf16; CUDA-graph replay gives the eager call's bits.
+fp16 and bf16; CUDA-graph replay gives the eager call's bits. The same kernels over the tensors
+vLLM's Humming backend holds (humming_layout), and that reference layout against humming's own
+load step where humming-kernels is importable.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -101,3 +105,55 @@ def test_the_co_served_op_matches_reference_and_replays_in_a_graph(layer, M):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, out)
+
+
+@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("config", [MarlinGroupedConfig(1, 8, 2), MarlinGroupedConfig(1, 8, 2, w2_n_splits=2)], ids=str)
+def test_the_kernels_over_hummings_tensors_match_reference(layer, M, config):
+    """The same kernels over the tensors vLLM's Humming backend holds (humming_layout), where N is a
+    multiple of 64 (up on whole tiles); qwen3.8-tp4's N = 160 is refused."""
+    from moe_grouped_decode.humming_layout import awq_to_humming
+    from moe_grouped_decode.kernels.marlin_grouped import launch_humming_grouped
+
+    awq, _, _, (E, k, K, N, G), dtype = layer
+    hum = [t.cuda() for t in awq_to_humming(awq).tensors()]
+    gen = torch.Generator().manual_seed(M + 100 * config.w2_n_splits)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
+    tw = torch.rand(M, k, generator=gen)
+    out = torch.full((M, K), float("nan"), dtype=dtype, device="cuda")
+    args = (x.cuda(), tw.cuda(), ids.cuda(), *hum, N, G, config, torch.cuda.get_device_capability()[0] >= 9)
+    if N % 64:
+        with pytest.raises(ValueError, match="multiple of 64"):
+            launch_humming_grouped(*args, out=out)
+        return
+    launch_humming_grouped(*args, out=out)
+    stats = error_stats(out.cpu(), reference_moe(x, tw, ids, awq))
+    assert not stats.nan and stats.scaled_max_abs <= BOUND[dtype], stats
+
+
+@pytest.mark.skipif(importlib.util.find_spec("humming") is None,
+                    reason="humming-kernels not importable (pip install humming-kernels, or the wheel in "
+                           ".vllm_moe_src/humming_whl onto PYTHONPATH)")
+def test_the_reference_layout_is_what_hummings_own_repack_makes(layer):
+    """humming_layout.awq_to_humming against humming's own load step on the GPU, as vLLM 0.32-0.34
+    call it for an AutoAWQ MoE layer (16-bit activations), bit for bit."""
+    from humming.schema import BaseWeightSchema, HummingInputSchema
+    from humming.transform import prepare_and_transform_humming_tensors
+
+    from moe_grouped_decode.humming_layout import awq_to_humming
+
+    awq, _, _, (E, k, K, N, G), dtype = layer
+    ours = awq_to_humming(awq)
+    schema = BaseWeightSchema.from_config({"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True})
+    for name, n, size_k, n_stacks in (("w13", 2 * N, K, [N, N]), ("w2", K, N, [K])):
+        awq_tensors = {"qweight": getattr(awq, f"{name}_qweight").cuda(), "scales": getattr(awq, f"{name}_scales").cuda(),
+                       "qzeros": getattr(awq, f"{name}_qzeros").cuda()}
+        converted_schema, converted = schema.convert_humming(tensors=awq_tensors, shape_n_stacks=n_stacks,
+                                                             shape_k_stacks=[size_k], param_dtype=dtype, num_experts=E)
+        _, made = prepare_and_transform_humming_tensors(
+            tensors=dict(converted), shape_n=n, shape_k=size_k, pad_n_to_multiple=256, pad_k_to_multiple=128,
+            input_schema=HummingInputSchema(), weight_schema=converted_schema, num_experts=E, torch_dtype=dtype,
+            device=converted["weight"].device)
+        for key in ("weight", "weight_scale", "zero_point"):
+            assert torch.equal(made[key].cpu(), getattr(ours, f"{name}_{key}")), (name, key)

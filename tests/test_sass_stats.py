@@ -421,7 +421,20 @@ for dtype in ("fp16", "bf16"):
                                            dict(ids_ptr="*i32", partials_ptr="*fp32", qweight_ptr="*i32", scales_ptr=half,
                                                 qzeros_ptr="*i32", act_ptr=half, row_out_ptr="*fp32", out_ptr=half,
                                                 topk_weights_ptr="*fp32", arrivals_ptr="*i32"), warps, dict(stride_om=2048))
-            for name, kernel in (("w13", w13), ("w2", w2)):
+            kernels = [("w13", w13), ("w2", w2)]
+            if grouped:  # Humming's tensors: padded strides, zero words gathered into Marlin's order
+                kernels.append(("humming w13", sass_stats.compile_kernel(
+                    marlin_w13_kernel, dict(shape, TOP_K=8, CHUNKS=2, SPLITS=2048 // (64 * warps), ARRIVALS_PAD=64,
+                                            STORED_COLUMNS=1536, STORED_ROWS=2048, UP_TILE=12, PLAIN_ZEROS=True),
+                    dict(x_ptr=half, ids_ptr="*i32", qweight_ptr="*i32", scales_ptr=half, qzeros_ptr="*i32",
+                         partials_ptr="*fp32", arrivals_ptr="*i32"), warps, dict(stride_xm=2048))))
+                kernels.append(("humming w2", sass_stats.compile_kernel(
+                    marlin_w2_kernel, dict(shape, SPLITS=4, N_PAD=1024, TOP_K=8, FUSED_COMBINE=True,
+                                           STORED_COLUMNS=2048, PLAIN_ZEROS=True, N_SPLITS=2),
+                    dict(ids_ptr="*i32", partials_ptr="*fp32", qweight_ptr="*i32", scales_ptr=half,
+                         qzeros_ptr="*i32", act_ptr=half, row_out_ptr="*fp32", out_ptr=half,
+                         topk_weights_ptr="*fp32", arrivals_ptr="*i32"), warps, dict(stride_om=2048))))
+            for name, kernel in kernels:
                 sass_stats.check_fragment_layouts(name, kernel, warps)
                 print("marlin", dtype, grouped, warps, name, "assembled")
 """
@@ -430,6 +443,7 @@ for dtype in ("fp16", "bf16"):
 @pytest.mark.parametrize("arch", [90, 80])
 def test_marlin_kernels_assemble_with_one_row_per_lane(arch):
     """The Marlin-reading grouped kernels' inline PTX goes through ptxas for both dtypes and scale
-    orders, and Triton lays its operands out one row per lane (what the PTX's lane mapping needs)."""
+    orders, over Marlin's and Humming's tensors (W2 in N splits there), and Triton lays its operands
+    out one row per lane (what the PTX's lane mapping needs)."""
     stdout = _python_stdout("-c", MARLIN_COMPILE.format(benchmarks=str(ROOT / "benchmarks"), arch=arch))
-    assert stdout.count("assembled") == 16, stdout
+    assert stdout.count("assembled") == 24, stdout

@@ -23,6 +23,10 @@ Programs::
     combine (a launch of its own without FUSED_COMBINE):
          out[t] = sum_j topk_weights[t, j] * (sum_s row_out[s, t * k + j])  (s, then j order)
 
+``launch_humming_grouped`` runs the same kernels over the tensors vLLM's HUMMING backend holds
+(``moe_grouped_decode.humming_layout``: Marlin's words and grouped scales, each sublayer padded
+at its ends, zero points in plain nibble order, gathered into Marlin's order as they load).
+
 Every sum has a fixed order for a given launch config (splits, warps, chunks, row warps, N
 splits, j), so a token's bits depend on its own inputs and that config only. An id outside
 [0, E) reads expert 0 and its row output is 0.
@@ -38,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .. import tables
+from ..humming_layout import humming_padded_sizes
 from .awq_mma import CHUNK_LOOP_UNROLL, CHUNK_ROWS, UNROLLED_CHUNKS, chunk_lanes
 from .awq_tiles import silu_mul
 from .combine import combine_sums
@@ -59,6 +64,20 @@ def _scale_columns(g, e, SCALES_GROUPED: tl.constexpr):
 
 
 @triton.jit
+def _zero_word(word, PLAIN_ZEROS: tl.constexpr):
+    """A zero-point word in Marlin's nibble order (column 16 w + g at nibble w, + 8 at w + 4) from
+    Humming's plain one (at nibbles 2 w and 2 w + 1): the two halves' nibbles gathered."""
+    if PLAIN_ZEROS:
+        even = word & 0x0F0F0F0F
+        odd = (word >> 4) & 0x0F0F0F0F
+        even = (even | (even >> 4)) & 0x00FF00FF
+        odd = (odd | (odd >> 4)) & 0x00FF00FF
+        return ((even | (even >> 8)) & 0xFFFF) | (((odd | (odd >> 8)) & 0xFFFF) << 16)
+    else:
+        return word
+
+
+@triton.jit
 def marlin_w13_kernel(
     x_ptr, stride_xm, ids_ptr, num_experts,
     qweight_ptr, scales_ptr, qzeros_ptr,
@@ -66,13 +85,21 @@ def marlin_w13_kernel(
     TOP_K: tl.constexpr, K: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, G: tl.constexpr,
     CHUNKS: tl.constexpr, WARPS: tl.constexpr, SPLITS: tl.constexpr, SCALES_GROUPED: tl.constexpr,
     IS_BF16: tl.constexpr, USE_PDL: tl.constexpr, ARRIVALS_PAD: tl.constexpr = 0,
+    STORED_COLUMNS: tl.constexpr = 0, STORED_ROWS: tl.constexpr = 0, UP_TILE: tl.constexpr = 0,
+    PLAIN_ZEROS: tl.constexpr = False,
 ):
-    """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols]."""
+    """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols].
+
+    Marlin's tensors by default; Humming's (``humming_layout``) with STORED_COLUMNS / STORED_ROWS
+    (the padded [K, 2N] the tensors hold), UP_TILE (up's first tile) and PLAIN_ZEROS."""
     let_next_launch_start(USE_PDL)
     HALF_TILES: tl.constexpr = (N + MARLIN_TILE_COLUMNS - 1) // MARLIN_TILE_COLUMNS  # real tiles of gate (of up)
     TILES: tl.constexpr = 2 * HALF_TILES
     SPLIT_ROWS: tl.constexpr = WARPS * CHUNKS * CHUNK_ROWS
-    ROW_WORDS: tl.constexpr = 4 * N_P  # a 16-row tile row of W13's [K, 2 N_p]
+    COLUMNS: tl.constexpr = STORED_COLUMNS if STORED_COLUMNS > 0 else 2 * N_P  # Marlin: [gate N_p | up N_p]
+    K_ROWS: tl.constexpr = STORED_ROWS if STORED_ROWS > 0 else K
+    FIRST_UP_TILE: tl.constexpr = UP_TILE if UP_TILE > 0 else N_P // MARLIN_TILE_COLUMNS
+    ROW_WORDS: tl.constexpr = 2 * COLUMNS  # a 16-row tile row of W13's stored [K, 2 N]
     pid = tl.program_id(0)
     if ARRIVALS_PAD > 0:
         if pid == 0:
@@ -84,16 +111,16 @@ def marlin_w13_kernel(
     split = (pid // TILES) % SPLITS
     row = (pid // (TILES * SPLITS)).to(tl.int64)
     half = tile // HALF_TILES  # 0 gate, 1 up
-    padded_tile = half * (N_P // MARLIN_TILE_COLUMNS) + tile % HALF_TILES
+    padded_tile = half * FIRST_UP_TILE + tile % HALF_TILES
     expert = tl.load(ids_ptr + row)
     valid = (expert >= 0) & (expert < num_experts)
     expert = tl.where(valid, expert, 0).to(tl.int64)
     token = (row // TOP_K).to(tl.int64)
     warp, g, t, e = chunk_lanes(WARPS)
     block, word = marlin_word_offsets(t, g, e)
-    qweight_base = qweight_ptr + expert * (K // 16 * ROW_WORDS) + padded_tile * MARLIN_TILE_WORDS + word
-    scales_base = scales_ptr + expert * (K // G * 2 * N_P) + padded_tile * MARLIN_TILE_COLUMNS + _scale_columns(g, e, SCALES_GROUPED)
-    qzeros_base = qzeros_ptr + expert * (K // G * (2 * N_P // 8)) + padded_tile * 8 + g
+    qweight_base = qweight_ptr + expert * (K_ROWS // 16 * ROW_WORDS) + padded_tile * MARLIN_TILE_WORDS + word
+    scales_base = scales_ptr + expert * (K_ROWS // G * COLUMNS) + padded_tile * MARLIN_TILE_COLUMNS + _scale_columns(g, e, SCALES_GROUPED)
+    qzeros_base = qzeros_ptr + expert * (K_ROWS // G * (COLUMNS // 8)) + padded_tile * 8 + g
     acc_lo = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
     acc_hi = tl.zeros([32 * WARPS, 8], dtype=tl.float32)
     for c in tl.static_range(CHUNKS):
@@ -101,8 +128,8 @@ def marlin_w13_kernel(
         group = k0 // G
         words = tl.load(qweight_base + (k0 // 16 + block) * ROW_WORDS)
         x = tl.load(x_ptr + token * stride_xm + marlin_chunk_rows(k0, t, e), mask=g == 0, other=0.0)
-        scales = tl.load(scales_base + group * (2 * N_P))
-        zeros = tl.load(qzeros_base + group * (2 * N_P // 8))
+        scales = tl.load(scales_base + group * COLUMNS)
+        zeros = _zero_word(tl.load(qzeros_base + group * (COLUMNS // 8)), PLAIN_ZEROS)
         d_lo, d_hi = marlin_mma_chunk(words, x, scales, zeros, IS_BF16, WARPS)
         acc_lo += d_lo
         acc_hi += d_hi
@@ -118,12 +145,14 @@ def marlin_w13_kernel(
 
 
 @triton.jit
-def _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K: tl.constexpr, G: tl.constexpr):
-    """Chunk c's words, scales and zero words of the lanes' tile."""
+def _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, COLUMNS: tl.constexpr, G: tl.constexpr,
+                      PLAIN_ZEROS: tl.constexpr):
+    """Chunk c's words, scales and zero words (in Marlin's nibble order) of the lanes' tile;
+    COLUMNS: the stored W2's columns (K, or Humming's padded K)."""
     k0 = c * CHUNK_ROWS
     group = k0 // G
-    return (tl.load(qweight_base + (k0 // 16 + block) * (2 * K)), tl.load(scales_base + group * K),
-            tl.load(qzeros_base + group * (K // 8)))
+    return (tl.load(qweight_base + (k0 // 16 + block) * (2 * COLUMNS)), tl.load(scales_base + group * COLUMNS),
+            _zero_word(tl.load(qzeros_base + group * (COLUMNS // 8)), PLAIN_ZEROS))
 
 
 @triton.jit
@@ -181,10 +210,13 @@ def marlin_w2_kernel(
     K: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr,
     WARPS: tl.constexpr, N_PAD: tl.constexpr, SCALES_GROUPED: tl.constexpr, IS_BF16: tl.constexpr,
     USE_PDL: tl.constexpr, TOP_K: tl.constexpr = 1, FUSED_COMBINE: tl.constexpr = False,
-    ROW_WARPS: tl.constexpr = 1, N_SPLITS: tl.constexpr = 1,
+    ROW_WARPS: tl.constexpr = 1, N_SPLITS: tl.constexpr = 1, STORED_COLUMNS: tl.constexpr = 0,
+    PLAIN_ZEROS: tl.constexpr = False,
 ):
     """row_out[split, row, cols] = (silu(gate) * up)[row, split's rows] @ W2[topk_ids[row]][split's
-    rows, cols], float32."""
+    rows, cols], float32. Humming's tensors: N_P their padded N, STORED_COLUMNS their padded K,
+    PLAIN_ZEROS."""
+    COLUMNS: tl.constexpr = STORED_COLUMNS if STORED_COLUMNS > 0 else K
     # with the combine fused, W2 is the op's last launch: what follows must not start before it ends
     let_next_launch_start(USE_PDL and not FUSED_COMBINE)
     row = tl.program_id(0)
@@ -213,13 +245,13 @@ def marlin_w2_kernel(
     row_warp = warp // WARPS  # which of the ROW_WARPS chunk sequences the lane's warp takes
     col_tile = tile * WARPS + warp % WARPS
     block, word = marlin_word_offsets(t, g, e)
-    qweight_base = qweight_ptr + expert * (N_P // 16 * 2 * K) + col_tile * MARLIN_TILE_WORDS + word
-    scales_base = scales_ptr + expert * (N_P // G * K) + col_tile * MARLIN_TILE_COLUMNS + _scale_columns(g, e, SCALES_GROUPED)
-    qzeros_base = qzeros_ptr + expert * (N_P // G * (K // 8)) + col_tile * 8 + g
+    qweight_base = qweight_ptr + expert * (N_P // 16 * 2 * COLUMNS) + col_tile * MARLIN_TILE_WORDS + word
+    scales_base = scales_ptr + expert * (N_P // G * COLUMNS) + col_tile * MARLIN_TILE_COLUMNS + _scale_columns(g, e, SCALES_GROUPED)
+    qzeros_base = qzeros_ptr + expert * (N_P // G * (COLUMNS // 8)) + col_tile * 8 + g
     held = ()
     for i in tl.static_range(HELD):
         held += (_w2_chunk_weights(qweight_base, scales_base, qzeros_base, first_chunk + i * ROW_WARPS + row_warp,
-                                   block, K, G),)
+                                   block, COLUMNS, G, PLAIN_ZEROS),)
     wait_for_previous_launch(USE_PDL)
     if N_SPLITS > 1:
         _span_activations(partials_ptr, act_ptr, row, rows, first_chunk * CHUNK_ROWS, SPLIT_CHUNKS * CHUNK_ROWS, N,
@@ -236,13 +268,15 @@ def marlin_w2_kernel(
     if ITERS - HELD <= UNROLLED_CHUNKS:
         for i in tl.static_range(HELD, ITERS):
             c = first_chunk + i * ROW_WARPS + row_warp
-            words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K, G)
+            words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, COLUMNS, G,
+                                                     PLAIN_ZEROS)
             acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
                                            IS_BF16, LANE_WARPS)
     else:
         for i in tl.range(HELD, ITERS, loop_unroll_factor=CHUNK_LOOP_UNROLL):
             c = first_chunk + i * ROW_WARPS + row_warp
-            words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, K, G)
+            words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, COLUMNS, G,
+                                                     PLAIN_ZEROS)
             acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
                                            IS_BF16, LANE_WARPS)
     if ROW_WARPS > 1:  # the chunk sequences' sums, in the compiler's fixed tree order
@@ -367,7 +401,6 @@ def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     topk_ids / topk_weights [M, k]; ``scales_grouped``: which order vLLM wrote the scales in
     (``MarlinMoeWeights.scales_grouped``). Scratch is allocated per call (a measurement path)."""
     M, K = x.shape
-    top_k = topk_ids.shape[1]
     E = w13_qweight.shape[0]
     N, G = intermediate_size, group_size
     N_p = w2_qweight.shape[1] * 16
@@ -382,9 +415,50 @@ def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     for name, tensor in zip(wanted, (w13_scales, w13_qzeros, w2_scales, w2_qzeros)):
         if tuple(tensor.shape) != wanted[name]:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {wanted[name]}")
+    return _launch(x, topk_weights, topk_ids, (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros),
+                   N, G, N_p, scales_grouped, config, use_pdl, out, {}, {})
+
+
+def launch_humming_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_weight,
+                           w13_weight_scale, w13_zero_point, w2_weight, w2_weight_scale, w2_zero_point,
+                           intermediate_size: int, group_size: int,
+                           config: MarlinGroupedConfig = MarlinGroupedConfig(), use_pdl: bool = False,
+                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`launch_marlin_grouped` over the tensors vLLM's Humming backend holds
+    (``humming_layout``: Marlin's words and grouped scales, each sublayer padded at its ends, zero
+    points in plain nibble order). Up's columns must start on a 64-column tile: N a multiple of 64."""
+    M, K = x.shape
+    E = w13_weight.shape[0]
+    N, G = intermediate_size, group_size
+    k_rows, w13_columns, n_rows, w2_columns = humming_padded_sizes(K, N)
+    if N % MARLIN_TILE_COLUMNS.value or G % CHUNK_ROWS.value or K % G or 128 % G:
+        raise ValueError(f"N = {N}, G = {G}, K = {K}: the kernel over Humming's tensors needs N a multiple of "
+                         f"{MARLIN_TILE_COLUMNS.value} (gate and up on whole tiles), G of 32 dividing 128, K of G")
+    wanted = {"w13_weight": (E, k_rows // 16, 2 * w13_columns), "w13_weight_scale": (E, k_rows // G, w13_columns),
+              "w13_zero_point": (E, k_rows // G, w13_columns // 8), "w2_weight": (E, n_rows // 16, 2 * w2_columns),
+              "w2_weight_scale": (E, n_rows // G, w2_columns), "w2_zero_point": (E, n_rows // G, w2_columns // 8)}
+    tensors = (w13_weight, w13_weight_scale, w13_zero_point, w2_weight, w2_weight_scale, w2_zero_point)
+    for name, tensor in zip(wanted, tensors):
+        if tuple(tensor.shape) != wanted[name]:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {wanted[name]} for Humming's layer "
+                             f"of K = {K}, N = {N}, G = {G}")
+    w13_layout = dict(STORED_COLUMNS=w13_columns, STORED_ROWS=k_rows, UP_TILE=N // MARLIN_TILE_COLUMNS.value,
+                      PLAIN_ZEROS=True)
+    return _launch(x, topk_weights, topk_ids, tensors, N, G, n_rows, True, config, use_pdl, out, w13_layout,
+                   dict(STORED_COLUMNS=w2_columns, PLAIN_ZEROS=True))
+
+
+def _launch(x, topk_weights, topk_ids, tensors, N: int, G: int, N_p: int, scales_grouped: bool,
+            config: MarlinGroupedConfig, use_pdl: bool, out: Optional[torch.Tensor], w13_layout: dict,
+            w2_layout: dict) -> torch.Tensor:
+    """The launches over a checked layer's six tensors (``N_p``: W2's stored rows; ``*_layout``:
+    the kernels' constexprs for a layout other than Marlin's)."""
+    w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros = tensors
+    M, K = x.shape
+    top_k = topk_ids.shape[1]
+    E = w13_qweight.shape[0]
     if w13_scales.dtype != x.dtype or w2_scales.dtype != x.dtype:
         raise ValueError(f"the scales must be in the activations' dtype {x.dtype} (the kernels read their bits as it)")
-    tensors = (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros)
     if not all(t.is_contiguous() for t in tensors) or x.stride(1) != 1 or (out is not None and out.stride(1) != 1):
         raise ValueError("the weights must be contiguous, x and out of unit column stride")
     splits = config.splits(K, N)
@@ -407,14 +481,15 @@ def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         x, x.stride(0), topk_ids, E, w13_qweight, w13_scales, w13_qzeros, partials, R, arrivals, arrivals.numel(),
         TOP_K=top_k, K=K, N=N, N_P=N_p, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps, SPLITS=splits,
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl,
-        ARRIVALS_PAD=triton.next_power_of_2(arrivals.numel()) if fused else 0, num_warps=config.w13_warps)
+        ARRIVALS_PAD=triton.next_power_of_2(arrivals.numel()) if fused else 0, num_warps=config.w13_warps,
+        **w13_layout)
     marlin_w2_kernel[(R, w2_tiles) if n_splits == 1 else (R, w2_tiles, n_splits)](
         topk_ids, E, partials, w2_qweight, w2_scales, w2_qzeros, act, row_out, R,
         topk_weights, out, out.stride(0), arrivals,
         K=K, N=N, N_P=N_p, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=triton.next_power_of_2(N),
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl, TOP_K=top_k, FUSED_COMBINE=fused,
         ROW_WARPS=config.w2_row_warps, N_SPLITS=n_splits, num_warps=config.w2_warps * config.w2_row_warps,
-        **launch_options(use_pdl))
+        **w2_layout, **launch_options(use_pdl))
     if not fused:
         marlin_combine_kernel[(M, triton.cdiv(K, COMBINE_BLOCK))](
             row_out, topk_weights, topk_ids, E, out, out.stride(0), R, TOP_K=top_k, K=K, BLOCK_K=COMBINE_BLOCK,
