@@ -73,7 +73,7 @@ CASES = [
 
 HUMMING_CASES = [
     # (E, k, K, N, G, M, pattern, dtype, MarlinGroupedConfig fields): what Humming pads
-    (4, 2, 256, 128, 128, 3, "random", F16, (1, 8, 1)),  # nothing
+    (4, 2, 256, 128, 32, 3, "random", F16, (1, 8, 1)),  # nothing; G = 32
     (3, 3, 384, 64, 64, 4, "round_robin", BF16, (1, 4, 2)),  # W13's columns, W2's rows and columns
     (2, 2, 320, 192, 64, 2, "invalid", F16, (1, 1, 1, True, 1, 2)),  # W13's rows too; W2 in N splits
     (2, 1, 128, 768, 128, 2, "random", BF16, (1, 4, 1, False, 1, 2)),  # the combine on its own
@@ -143,6 +143,7 @@ def check_humming(gen) -> None:
             ids[-1, -1] = -1
         else:
             ids = routing(pattern, M, k, E, gen)
+        ids[0, 0] = E - 1  # an expert past the first: the per-expert strides count
         out = torch.full((M, K), float("nan"), dtype=dtype)
         launch_humming_grouped(x, tw, ids, *hum.tensors(), N, G, MarlinGroupedConfig(*config), out=out)
         check(f"humming grouped E={E} k={k} K={K} N={N} G={G} M={M} {pattern} {dtype} config={config} (stored "

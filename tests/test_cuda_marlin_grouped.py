@@ -107,48 +107,75 @@ def test_the_co_served_op_matches_reference_and_replays_in_a_graph(layer, M):
     assert torch.equal(replayed, out)
 
 
+# Humming's tensors: (E, k, K, N, G) and configs that tile them. The padded layer has every end
+# padding Humming makes (W13's rows K -> 1152 and columns 2N -> 512, W2's rows N -> 256 and
+# columns K -> 1280) at G = 32
+HUMMING_LAYERS = {
+    "qwen3-30b-tp1": ((16, 8, 2048, 768, 128), [MarlinGroupedConfig(1, 8, 2), MarlinGroupedConfig(1, 8, 2, w2_n_splits=2)]),
+    "padded": ((8, 4, 1088, 192, 32), [MarlinGroupedConfig(1, 2, 1), MarlinGroupedConfig(1, 2, 1, w2_n_splits=2)]),
+    "qwen3.8-tp4": ((32, 10, 2560, 160, 32), [MarlinGroupedConfig(1, 8, 2)]),  # N = 160: refused
+}
+
+
+def humming_importable() -> bool:
+    """humming's Python imports (it needs cuda-bindings and a CUDA driver besides the wheel)."""
+    try:
+        import humming.schema  # noqa: F401
+        import humming.transform  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(HUMMING_LAYERS))
 @pytest.mark.parametrize("M", [1, 4])
-@pytest.mark.parametrize("config", [MarlinGroupedConfig(1, 8, 2), MarlinGroupedConfig(1, 8, 2, w2_n_splits=2)], ids=str)
-def test_the_kernels_over_hummings_tensors_match_reference(layer, M, config):
+def test_the_kernels_over_hummings_tensors_match_reference(name, M, dtype):
     """The same kernels over the tensors vLLM's Humming backend holds (humming_layout), where N is a
     multiple of 64 (up on whole tiles); qwen3.8-tp4's N = 160 is refused."""
     from moe_grouped_decode.humming_layout import awq_to_humming
     from moe_grouped_decode.kernels.marlin_grouped import launch_humming_grouped
 
-    awq, _, _, (E, k, K, N, G), dtype = layer
+    (E, k, K, N, G), configs = HUMMING_LAYERS[name]
+    awq = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=41)
     hum = [t.cuda() for t in awq_to_humming(awq).tensors()]
-    gen = torch.Generator().manual_seed(M + 100 * config.w2_n_splits)
-    x = torch.randn(M, K, generator=gen).to(dtype)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
-    tw = torch.rand(M, k, generator=gen)
-    out = torch.full((M, K), float("nan"), dtype=dtype, device="cuda")
-    args = (x.cuda(), tw.cuda(), ids.cuda(), *hum, N, G, config, torch.cuda.get_device_capability()[0] >= 9)
-    if N % 64:
-        with pytest.raises(ValueError, match="multiple of 64"):
-            launch_humming_grouped(*args, out=out)
-        return
-    launch_humming_grouped(*args, out=out)
-    stats = error_stats(out.cpu(), reference_moe(x, tw, ids, awq))
-    assert not stats.nan and stats.scaled_max_abs <= BOUND[dtype], stats
+    for config in configs:
+        gen = torch.Generator().manual_seed(M + 100 * config.w2_n_splits)
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
+        tw = torch.rand(M, k, generator=gen)
+        out = torch.full((M, K), float("nan"), dtype=dtype, device="cuda")
+        args = (x.cuda(), tw.cuda(), ids.cuda(), *hum, N, G, config, torch.cuda.get_device_capability()[0] >= 9)
+        if N % 64:
+            with pytest.raises(ValueError, match="multiple of 64"):
+                launch_humming_grouped(*args, out=out)
+            continue
+        launch_humming_grouped(*args, out=out)
+        stats = error_stats(out.cpu(), reference_moe(x, tw, ids, awq))
+        assert not stats.nan and stats.scaled_max_abs <= BOUND[dtype], (config, stats)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("humming") is None,
+@pytest.mark.skipif(not humming_importable(),
                     reason="humming-kernels not importable (pip install humming-kernels, or the wheel in "
-                           ".vllm_moe_src/humming_whl onto PYTHONPATH)")
-def test_the_reference_layout_is_what_hummings_own_repack_makes(layer):
+                           ".vllm_moe_src/humming_whl onto PYTHONPATH, with cuda-bindings)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(HUMMING_LAYERS))
+def test_the_reference_layout_is_what_hummings_own_repack_makes(name, dtype):
     """humming_layout.awq_to_humming against humming's own load step on the GPU, as vLLM 0.32-0.34
-    call it for an AutoAWQ MoE layer (16-bit activations), bit for bit."""
+    call it for an AutoAWQ MoE layer (16-bit activations), bit for bit: unpadded, padded at every
+    end, and qwen3.8-tp4's N = 160."""
     from humming.schema import BaseWeightSchema, HummingInputSchema
     from humming.transform import prepare_and_transform_humming_tensors
 
     from moe_grouped_decode.humming_layout import awq_to_humming
 
-    awq, _, _, (E, k, K, N, G), dtype = layer
+    (E, k, K, N, G), _ = HUMMING_LAYERS[name]
+    awq = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=43)
     ours = awq_to_humming(awq)
     schema = BaseWeightSchema.from_config({"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True})
-    for name, n, size_k, n_stacks in (("w13", 2 * N, K, [N, N]), ("w2", K, N, [K])):
-        awq_tensors = {"qweight": getattr(awq, f"{name}_qweight").cuda(), "scales": getattr(awq, f"{name}_scales").cuda(),
-                       "qzeros": getattr(awq, f"{name}_qzeros").cuda()}
+    for sub, n, size_k, n_stacks in (("w13", 2 * N, K, [N, N]), ("w2", K, N, [K])):
+        awq_tensors = {"qweight": getattr(awq, f"{sub}_qweight").cuda(), "scales": getattr(awq, f"{sub}_scales").cuda(),
+                       "qzeros": getattr(awq, f"{sub}_qzeros").cuda()}
         converted_schema, converted = schema.convert_humming(tensors=awq_tensors, shape_n_stacks=n_stacks,
                                                              shape_k_stacks=[size_k], param_dtype=dtype, num_experts=E)
         _, made = prepare_and_transform_humming_tensors(
@@ -156,4 +183,4 @@ def test_the_reference_layout_is_what_hummings_own_repack_makes(layer):
             input_schema=HummingInputSchema(), weight_schema=converted_schema, num_experts=E, torch_dtype=dtype,
             device=converted["weight"].device)
         for key in ("weight", "weight_scale", "zero_point"):
-            assert torch.equal(made[key].cpu(), getattr(ours, f"{name}_{key}")), (name, key)
+            assert torch.equal(made[key].cpu(), getattr(ours, f"{sub}_{key}")), (sub, key)

@@ -431,9 +431,10 @@ def launch_humming_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     E = w13_weight.shape[0]
     N, G = intermediate_size, group_size
     k_rows, w13_columns, n_rows, w2_columns = humming_padded_sizes(K, N)
-    if N % MARLIN_TILE_COLUMNS.value or G % CHUNK_ROWS.value or K % G or 128 % G:
+    if N % MARLIN_TILE_COLUMNS.value or G % CHUNK_ROWS.value or K % G or N % G or 128 % G:
         raise ValueError(f"N = {N}, G = {G}, K = {K}: the kernel over Humming's tensors needs N a multiple of "
-                         f"{MARLIN_TILE_COLUMNS.value} (gate and up on whole tiles), G of 32 dividing 128, K of G")
+                         f"{MARLIN_TILE_COLUMNS.value} (gate and up on whole tiles), G of 32 dividing 128, K and N "
+                         "of G")
     wanted = {"w13_weight": (E, k_rows // 16, 2 * w13_columns), "w13_weight_scale": (E, k_rows // G, w13_columns),
               "w13_zero_point": (E, k_rows // G, w13_columns // 8), "w2_weight": (E, n_rows // 16, 2 * w2_columns),
               "w2_weight_scale": (E, n_rows // G, w2_columns), "w2_zero_point": (E, n_rows // G, w2_columns // 8)}
