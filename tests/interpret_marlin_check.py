@@ -80,6 +80,15 @@ HUMMING_CASES = [
 ]
 
 
+def case_ids(pattern: str, M: int, k: int, E: int, gen) -> torch.Tensor:
+    """A case's routing: ``routing``'s pattern, or "invalid": random ids with the last slot -1."""
+    if pattern != "invalid":
+        return routing(pattern, M, k, E, gen)
+    ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32)
+    ids[-1, -1] = -1
+    return ids
+
+
 def main() -> None:
     # W2's chunks a warp past the held ones: some cases loop, some run unrolled, with and without row
     # warps, and in N splits
@@ -96,11 +105,7 @@ def main() -> None:
         marlin = awq_to_marlin(awq)
         x = torch.randn(M, K, generator=gen).to(dtype)
         tw = torch.rand(M, k, generator=gen)
-        if pattern == "invalid":
-            ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32)
-            ids[-1, -1] = -1
-        else:
-            ids = routing(pattern, M, k, E, gen)
+        ids = case_ids(pattern, M, k, E, gen)
         out = torch.full((M, K), float("nan"), dtype=dtype)
         launch_marlin_grouped(x, tw, ids, *marlin.tensors(), N, G, marlin.scales_grouped,
                               MarlinGroupedConfig(*config), out=out)
@@ -138,11 +143,7 @@ def check_humming(gen) -> None:
                                                ("w2 rows", n_rows > N), ("w2 columns", w2_columns > K)) if padded}
         x = torch.randn(M, K, generator=gen).to(dtype)
         tw = torch.rand(M, k, generator=gen)
-        if pattern == "invalid":
-            ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32)
-            ids[-1, -1] = -1
-        else:
-            ids = routing(pattern, M, k, E, gen)
+        ids = case_ids(pattern, M, k, E, gen)
         ids[0, 0] = E - 1  # an expert past the first: the per-expert strides count
         out = torch.full((M, K), float("nan"), dtype=dtype)
         launch_humming_grouped(x, tw, ids, *hum.tensors(), N, G, MarlinGroupedConfig(*config), out=out)

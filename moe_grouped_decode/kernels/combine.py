@@ -16,19 +16,25 @@ from .pdl import wait_for_previous_launch
 
 @triton.jit
 def combine_sums(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, t, cols, col_ok, TOP_K: tl.constexpr,
-                 K: tl.constexpr):
+                 K: tl.constexpr, rows=0, N_SPLITS: tl.constexpr = 1):
     """Columns ``cols`` of token t's output, summed in j order in float32: a token's bits depend
     on its own rows only. A slot whose id is outside [0, num_experts) adds nothing, whatever its
     weight (its row output is 0; the weight is masked, not the product, so a routed slot's
     ``acc += w * row`` stays the one FMA of every route). Row outputs are read from L2 (``.cg``):
-    the grouped op's fused combine reads rows that other programs of the same launch wrote."""
+    the grouped op's fused combine reads rows that other programs of the same launch wrote.
+    N_SPLITS > 1: row outputs in that many parts of ``rows`` rows each (a W2 split over N), a
+    slot's parts summed in split order first."""
     t = t.to(tl.int64)
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         weight = tl.load(topk_weights_ptr + t * TOP_K + j).to(tl.float32)
         expert = tl.load(topk_ids_ptr + t * TOP_K + j)
         weight = tl.where((expert >= 0) & (expert < num_experts), weight, 0.0)
-        acc += weight * tl.load(row_out_ptr + (t * TOP_K + j) * K + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+        row = tl.load(row_out_ptr + (t * TOP_K + j) * K + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, N_SPLITS):
+            row += tl.load(row_out_ptr + (s * rows + t * TOP_K + j) * K + cols, mask=col_ok, other=0.0,
+                           cache_modifier=".cg")
+        acc += weight * row
     return acc
 
 

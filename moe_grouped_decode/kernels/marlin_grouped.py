@@ -183,25 +183,6 @@ def _span_activations(partials_ptr, act_ptr, row, rows, n_lo, SPAN: tl.constexpr
 
 
 @triton.jit
-def _split_combine_sums(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, rows, t, cols, col_ok,
-                        TOP_K: tl.constexpr, K: tl.constexpr, N_SPLITS: tl.constexpr):
-    """``combine_sums`` over row outputs in N_SPLITS parts: each slot's row is its parts summed in
-    split order, then weighted and summed in j order (read from L2: other programs wrote them)."""
-    t = t.to(tl.int64)
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        weight = tl.load(topk_weights_ptr + t * TOP_K + j).to(tl.float32)
-        expert = tl.load(topk_ids_ptr + t * TOP_K + j)
-        weight = tl.where((expert >= 0) & (expert < num_experts), weight, 0.0)
-        row_sum = tl.zeros(cols.shape, dtype=tl.float32)
-        for s in tl.static_range(N_SPLITS):
-            row_sum += tl.load(row_out_ptr + (s * rows + t * TOP_K + j) * K + cols, mask=col_ok, other=0.0,
-                               cache_modifier=".cg")
-        acc += weight * row_sum
-    return acc
-
-
-@triton.jit
 def marlin_w2_kernel(
     ids_ptr, num_experts, partials_ptr,
     qweight_ptr, scales_ptr, qzeros_ptr,
@@ -298,11 +279,8 @@ def marlin_w2_kernel(
         if arrived == TOP_K * N_SPLITS - 1:
             cols = tile * (WARPS * MARLIN_TILE_COLUMNS) + tl.arange(0, WARPS * MARLIN_TILE_COLUMNS)
             col_ok = cols < K
-            if N_SPLITS > 1:
-                acc = _split_combine_sums(row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, rows, token, cols,
-                                          col_ok, TOP_K, K, N_SPLITS)
-            else:
-                acc = combine_sums(row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, token, cols, col_ok, TOP_K, K)
+            acc = combine_sums(row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, token, cols, col_ok, TOP_K, K,
+                               rows, N_SPLITS)
             tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -316,11 +294,8 @@ def marlin_combine_kernel(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_exper
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < K
-    if N_SPLITS > 1:
-        acc = _split_combine_sums(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, rows, t, cols, col_ok,
-                                  TOP_K, K, N_SPLITS)
-    else:
-        acc = combine_sums(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, t, cols, col_ok, TOP_K, K)
+    acc = combine_sums(row_out_ptr, topk_weights_ptr, topk_ids_ptr, num_experts, t, cols, col_ok, TOP_K, K, rows,
+                       N_SPLITS)
     tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -412,11 +387,16 @@ def launch_marlin_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
                          f"N_p and K of G")
     wanted = {"w13_scales": (E, K // G, 2 * N_p), "w13_qzeros": (E, K // G, 2 * N_p // 8),
               "w2_scales": (E, N_p // G, K), "w2_qzeros": (E, N_p // G, K // 8)}
-    for name, tensor in zip(wanted, (w13_scales, w13_qzeros, w2_scales, w2_qzeros)):
-        if tuple(tensor.shape) != wanted[name]:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {wanted[name]}")
+    _check_shapes(wanted, (w13_scales, w13_qzeros, w2_scales, w2_qzeros))
     return _launch(x, topk_weights, topk_ids, (w13_qweight, w13_scales, w13_qzeros, w2_qweight, w2_scales, w2_qzeros),
                    N, G, N_p, scales_grouped, config, use_pdl, out, {}, {})
+
+
+def _check_shapes(wanted: dict, tensors, where: str = "") -> None:
+    """ValueError naming the first of ``tensors`` whose shape is not ``wanted``'s (name -> shape, in order)."""
+    for (name, shape), tensor in zip(wanted.items(), tensors):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape}{where}")
 
 
 def launch_humming_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_weight,
@@ -439,10 +419,7 @@ def launch_humming_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids
               "w13_zero_point": (E, k_rows // G, w13_columns // 8), "w2_weight": (E, n_rows // 16, 2 * w2_columns),
               "w2_weight_scale": (E, n_rows // G, w2_columns), "w2_zero_point": (E, n_rows // G, w2_columns // 8)}
     tensors = (w13_weight, w13_weight_scale, w13_zero_point, w2_weight, w2_weight_scale, w2_zero_point)
-    for name, tensor in zip(wanted, tensors):
-        if tuple(tensor.shape) != wanted[name]:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {wanted[name]} for Humming's layer "
-                             f"of K = {K}, N = {N}, G = {G}")
+    _check_shapes(wanted, tensors, f" for Humming's layer of K = {K}, N = {N}, G = {G}")
     w13_layout = dict(STORED_COLUMNS=w13_columns, STORED_ROWS=k_rows, UP_TILE=N // MARLIN_TILE_COLUMNS.value,
                       PLAIN_ZEROS=True)
     return _launch(x, topk_weights, topk_ids, tensors, N, G, n_rows, True, config, use_pdl, out, w13_layout,
