@@ -339,9 +339,11 @@ class LayerChoice:
     served_by_plugin: bool
     admission: Admission  # truthy: the plugin's grouped route in the contract's window; falsy: its dense route
     reason: str  # why the layer went where it went, one clause
-    # left to vLLM, but forced onto its Marlin backend, whose tensors the plugin's kernel reads
-    # at the token counts of this window (``tables.coserve_verdict``); None: not co-served
+    # left to vLLM, whose tensors the plugin's kernel reads at the token counts of this window
+    # (``tables.coserve_verdict``); None: not co-served
     coserve_window: Optional[Tuple[int, int]] = None
+    # whose tensors: vLLM's Marlin backend's (forced onto the layer) or its Humming backend's (its own pick)
+    coserve_layout: str = "marlin"
 
     @property
     def route(self) -> str:
@@ -385,8 +387,8 @@ def choose_method(shape: LayerShape, device: str, *, plugin_on: bool, force: boo
     Then the grouped route runs in the matching contract's window and the prefill (dense) route
     at every other M. Otherwise, where ``coserve`` (a CUDA GPU, the switch not off) and the
     table's co-serving verdict (``tables.coserve_verdict``) gives a window, the layer stays with
-    vLLM on its Marlin backend and the plugin's kernel serves the window's token counts from
-    the same tensors. ``plugin_on`` false (the rollback switch, or kernels that cannot run here)
+    vLLM (on Marlin, or on Humming where vLLM picks it and the kernel was measured over its
+    tensors) and the plugin's kernel serves the window's token counts from the same tensors. ``plugin_on`` false (the rollback switch, or kernels that cannot run here)
     leaves every layer vLLM can serve to vLLM.
     """
     admission = admits(shape, None)
@@ -412,7 +414,8 @@ def choose_method(shape: LayerShape, device: str, *, plugin_on: bool, force: boo
     if coserve and table is not None and not batch_invariant():
         shared = tables.coserve_verdict(table, vllm_backend, max_tokens)
         if shared.window is not None:
-            return LayerChoice(False, Admission(None, shared.reason), shared.reason, coserve_window=shared.window)
+            return LayerChoice(False, Admission(None, shared.reason), shared.reason, coserve_window=shared.window,
+                               coserve_layout=shared.layout)
     if measured is not None:
         why = f"not admitted: {measured.reason}"
     else:

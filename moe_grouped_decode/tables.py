@@ -9,16 +9,17 @@ A table holds what ``python -m moe_grouped_decode tune`` measured for one MoE la
   (the token counts the grouped route serves);
 * the two **launch tables**: the grouped op's config per (kernel family, M) and the prefill
   route's config per M (an entry serves every M up to its own, the last every M above);
-* optionally, the **co-serving table** (:class:`CoserveTable`): at the first few M, the plugin's
+* optionally, the **co-serving tables** (:class:`CoserveTable`): at the first few M, the plugin's
   grouped decode over vLLM's own Marlin tensors (``kernels/marlin_grouped.py``) beside vLLM's
-  backends, timed side by side in one process of its own, with its launch table.
+  backends, timed side by side in one process of its own, with its launch table; and the same
+  kernel over vLLM's Humming tensors (``coserve_humming``), for engines where vLLM runs Humming.
 
 Its **verdict** (:func:`verdict`) admits the shape on that GPU only where the plugin is faster
 than every vLLM backend at every measured M from 1 up to the engine's largest step; the layer
 is then served whole by the plugin from AutoAWQ's tensors. Where it is not, the **co-serving
 verdict** (:func:`coserve_verdict`) may still give the plugin the few-token steps: vLLM
-repacks the weights for its Marlin backend as usual (one copy) and runs every step except those
-of the window, where the plugin's kernel reads the same tensors faster. The shipped tables live in
+repacks the weights for its backend as usual (one copy) and runs every step except those of the
+window, where the plugin's kernel reads the same tensors faster. The shipped tables live in
 ``moe_grouped_decode/tables/``; ``tune`` writes a user's to a cache directory keyed by GPU,
 shape, dtype and the torch / Triton / vLLM versions, which startup reads before the shipped
 ones. Pure data: no torch, no vLLM.
@@ -97,8 +98,13 @@ class MeasuredTable:
     routes: RouteTable
     grouped: Tuple[dict, ...] = ()  # {"kernels": "gluon"/"tl", "M": int, "config": GroupedConfig fields}
     prefill: Tuple[dict, ...] = ()  # {"M": int, "config": PrefillConfig fields}
-    coserve: Optional[CoserveTable] = None
+    coserve: Optional[CoserveTable] = None  # the kernel over vLLM's Marlin tensors
+    coserve_humming: Optional[CoserveTable] = None  # the same kernel over vLLM's Humming tensors
     path: Optional[Path] = field(default=None, compare=False)
+
+    def coserve_table(self, layout: str) -> Optional[CoserveTable]:
+        """The co-serving table of the kernel over vLLM's ``layout`` ("marlin" or "humming") tensors."""
+        return {"marlin": self.coserve, "humming": self.coserve_humming}[layout]
 
     @property
     def key(self) -> Tuple[str, Shape, str]:
@@ -150,25 +156,43 @@ COSERVE_MARGIN = 1.05
 class CoserveVerdict:
     window: Optional[Tuple[int, int]]  # (1, hi): the token counts the plugin's kernel serves; None: none
     reason: str
+    layout: str = "marlin"  # whose tensors the kernel reads: vLLM's Marlin (forced) or Humming (its own pick)
 
 
 def coserve_verdict(table: MeasuredTable, vllm_backend: Optional[str], max_tokens: int = LARGEST_STEP) -> CoserveVerdict:
-    """Whether a layer that :func:`verdict` leaves to vLLM can be co-served, and in which window.
+    """Whether a layer that :func:`verdict` leaves to vLLM can be co-served, in which window and
+    over whose tensors.
 
-    Co-serving forces vLLM's Marlin backend for the layer (its tensors are what the plugin's
-    kernel reads), so it needs: in the co-serving table, the kernel at least COSERVE_MARGIN times
-    faster than every backend of VLLM_BACKENDS at every measured M from 1 to the window's end (the
-    window ends before the first M where it is not, so an unmeasured M past it stays with
-    Marlin); and, where vLLM would pick another backend itself (``vllm_backend`` as its selection
-    names it, "MARLIN" or "HUMMING"), Marlin no slower than that one in the route table at every
-    measured M past the window up to the first at or above ``max_tokens``."""
-    c = table.coserve
+    Where vLLM would pick Humming (``vllm_backend`` as its selection names it, "MARLIN" or
+    "HUMMING") and the table measured the kernel over Humming's tensors (``coserve_humming``),
+    vLLM keeps Humming and the kernel reads its tensors in the window: the window is the counts
+    from 1 where the kernel is at least COSERVE_MARGIN times faster than every backend of
+    VLLM_BACKENDS (it ends before the first count where it is not, so an unmeasured count past it
+    stays with vLLM). Otherwise co-serving forces vLLM's Marlin backend (its tensors are what the
+    kernel reads then), so it needs the same window in the Marlin co-serving table and, where
+    vLLM would pick another backend itself, Marlin no slower than that one in the route table at
+    every measured M past the window up to the first at or above ``max_tokens``."""
     where = f"{table.gpu}, {'x'.join(map(str, table.shape))} {table.dtype}"
     stock = (vllm_backend or "").lower()
     if stock not in VLLM_BACKENDS:
         return CoserveVerdict(None, f"vLLM's own backend here is {vllm_backend}, not one co-serving is measured against")
-    if c is None or not c.tokens or c.tokens[0] != 1:
-        return CoserveVerdict(None, f"co-serving not measured ({where})")
+    humming_why = None
+    if stock == "humming" and table.coserve_humming is not None:
+        hi, least, humming_why = _coserve_window(table.coserve_humming, " over Humming's tensors", where)
+        if hi is not None:
+            return CoserveVerdict((1, hi), f"co-served: the plugin's kernel on vLLM's Humming tensors at 1..{hi} tokens "
+                                           f"(at least {least:.2f}x), vLLM's Humming above ({where})", "humming")
+    verdict = _marlin_coserve_verdict(table, stock, max_tokens, where)
+    if verdict.window is None and humming_why is not None:
+        return CoserveVerdict(None, f"{humming_why}; over Marlin's: {verdict.reason}")
+    return verdict
+
+
+def _coserve_window(c: CoserveTable, over: str, where: str) -> Tuple[Optional[int], Optional[float], Optional[str]]:
+    """(the window's last count, the least margin in it, None), or (None, None, why there is none);
+    ``over``: whose tensors the table's kernel read, for the reason."""
+    if not c.tokens or c.tokens[0] != 1:
+        return None, None, f"co-serving{over} not measured ({where})"
     hi, least, unmeasured = None, None, None
     for i, m in enumerate(c.tokens):
         times = [c.vllm_us.get(b, (None,) * len(c.tokens))[i] for b in VLLM_BACKENDS]
@@ -180,11 +204,19 @@ def coserve_verdict(table: MeasuredTable, vllm_backend: Optional[str], max_token
         ratio = min(times) / c.coserved_us[i]
         hi, least = m, ratio if least is None else min(least, ratio)
     if hi is None and unmeasured:
-        return CoserveVerdict(None, f"vLLM's {', '.join(unmeasured)} not measured at 1 token in the co-serving table "
-                                    f"({where})")
+        return None, None, f"vLLM's {', '.join(unmeasured)} not measured at 1 token in the co-serving{over} table ({where})"
     if hi is None:
-        return CoserveVerdict(None, f"the co-served kernel is not {COSERVE_MARGIN:.2f}x as fast as vLLM at 1 token "
-                                    f"({where})")
+        return None, None, f"the co-served kernel{over} is not {COSERVE_MARGIN:.2f}x as fast as vLLM at 1 token ({where})"
+    return hi, least, None
+
+
+def _marlin_coserve_verdict(table: MeasuredTable, stock: str, max_tokens: int, where: str) -> CoserveVerdict:
+    c = table.coserve
+    if c is None:
+        return CoserveVerdict(None, f"co-serving not measured ({where})")
+    hi, least, why = _coserve_window(c, "", where)
+    if hi is None:
+        return CoserveVerdict(None, why)
     if stock != "marlin":
         r = table.routes
         reach = next((i for i, m in enumerate(r.tokens) if m >= max_tokens), None)
@@ -229,6 +261,7 @@ def table_to_json(table: MeasuredTable) -> dict:
         "grouped": list(table.grouped),
         "prefill": list(table.prefill),
         **({} if table.coserve is None else {"coserve": _coserve_to_json(table.coserve)}),
+        **({} if table.coserve_humming is None else {"coserve_humming": _coserve_to_json(table.coserve_humming)}),
     }
 
 
@@ -238,21 +271,21 @@ def _coserve_to_json(c: CoserveTable) -> dict:
             "launch": list(c.launch)}
 
 
-def _coserve_from_json(c: dict) -> CoserveTable:
+def _coserve_from_json(c: dict, key: str = "coserve") -> CoserveTable:
     table = CoserveTable(tokens=tuple(int(m) for m in c["tokens"]), coserved_us=tuple(float(x) for x in c["coserved_us"]),
                          vllm_us={str(b): tuple(None if x is None else float(x) for x in times)
                                   for b, times in c["vllm_us"].items()},
                          launch=tuple(c.get("launch", ())), generator=str(c.get("generator", "")))
     n = len(table.tokens)
     if list(table.tokens) != sorted(set(table.tokens)) or any(m < 1 for m in table.tokens):
-        raise ValueError("coserve.tokens must be distinct positive counts, ascending")
+        raise ValueError(f"{key}.tokens must be distinct positive counts, ascending")
     if len(table.coserved_us) != n or any(len(t) != n for t in table.vllm_us.values()):
-        raise ValueError("every coserve column must have one value per token count")
+        raise ValueError(f"every {key} column must have one value per token count")
     if any(not us > 0 for us in table.coserved_us) or any(us is not None and not us > 0
                                                          for times in table.vllm_us.values() for us in times):
-        raise ValueError("coserve times must be positive")
+        raise ValueError(f"{key} times must be positive")
     if not all(_coserve_launch_entry_ok(e) for e in table.launch):
-        raise ValueError(f"coserve.launch entries must be {{\"M\": int >= 1, \"config\": {{"
+        raise ValueError(f"{key}.launch entries must be {{\"M\": int >= 1, \"config\": {{"
                          f"{', '.join(sorted(_COSERVE_COUNTS))} (ints >= 1), fused_combine (bool)"
                          f"[, {', '.join(sorted(_COSERVE_OPTIONAL_COUNTS))} (int >= 1)]}}}}")
     return table
@@ -305,6 +338,8 @@ def table_from_json(data: dict, path: Optional[Path] = None) -> MeasuredTable:
                              generator=str(data["generator"]), versions=dict(data.get("versions", {})), routes=routes,
                              grouped=tuple(data.get("grouped", ())), prefill=tuple(data.get("prefill", ())),
                              coserve=None if data.get("coserve") is None else _coserve_from_json(data["coserve"]),
+                             coserve_humming=None if data.get("coserve_humming") is None
+                             else _coserve_from_json(data["coserve_humming"], "coserve_humming"),
                              path=path)
     except (KeyError, TypeError, ValueError, IndexError) as error:
         raise ValueError(f"measured table {path or '(unsaved)'}: {error}") from error
@@ -323,7 +358,7 @@ def dumps(data: dict) -> str:
     """A table file's text: one line per field, per route-table column and per launch-table entry."""
     lines = []
     for key, value in data.items():
-        if isinstance(value, dict) and key in ("route_table", "coserve"):
+        if isinstance(value, dict) and key in ("route_table", "coserve", "coserve_humming"):
             inner = [f'  {json.dumps(k)}: {json.dumps(v)}' for k, v in value.items()]
             lines.append(f' {json.dumps(key)}: {{\n' + ",\n".join(inner) + "\n }")
         elif isinstance(value, list) and value and isinstance(value[0], dict):

@@ -17,6 +17,7 @@ candidates it drops, which it keeps per M, the launch table it writes.
 Prints one line per case and exits non-zero on the first failure.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -123,6 +124,7 @@ def main() -> None:
     print("ok   M = 0: an empty [0, K] output", flush=True)
     check_humming(gen)
     check_coserved_op(gen)
+    check_humming_coserved_op(gen)
     check_coserve_measurement()
     print("all interpreter marlin checks passed", flush=True)
 
@@ -212,6 +214,55 @@ def check_coserved_op(gen) -> None:
                   reference_moe(x, tw, ids, awq), F16)
 
 
+def check_humming_coserved_op(gen) -> None:
+    """The op over Humming's tensors: its CUDA implementation runs the config the table's Humming
+    co-serving names (not the Marlin one's) and computes what its CPU implementation does."""
+    from moe_grouped_decode import tables
+    from moe_grouped_decode.kernels import device_facts
+    from moe_grouped_decode.kernels.marlin_grouped import coserved_config
+    from moe_grouped_decode.ops import awq_humming_grouped_decode, awq_humming_grouped_decode_cuda
+
+    E, k, K, N, G = 4, 2, 256, 128, 32  # W13 padded to 256 columns, W2 to 256 columns
+    awq = synthetic_moe_weights(E, K, N, G, dtype=F16, seed=8)
+    hum = awq_to_humming(awq)
+    marlin_launch = ({"M": 9, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1, "fused_combine": True}},)
+    humming_launch = ({"M": 1, "config": {"w13_warps": 1, "w13_chunks": 2, "w2_warps": 1, "fused_combine": True,
+                                          "w2_n_splits": 2}},
+                      {"M": 2, "config": {"w13_warps": 2, "w13_chunks": 2, "w2_warps": 2, "fused_combine": False}})
+    gpu = device_facts(torch.device("cpu")).name
+    route = tables.RouteTable(tokens=(1,), routes=("grouped",), plugin_us=(1.0,), vllm_us={"marlin": (2.0,)},
+                              grouped_tokens=None)
+    table = tables.MeasuredTable(gpu=gpu, shape=(E, k, K, N, G), dtype="fp16", name="interpret", generator="",
+                                 versions={}, routes=route,
+                                 coserve=tables.CoserveTable((1,), (1.0,), {"marlin": (2.0,)}, marlin_launch),
+                                 coserve_humming=tables.CoserveTable((1,), (1.0,), {"marlin": (2.0,)}, humming_launch))
+    with tables.table_registered(table):
+        got = [(c.w13_warps, c.w13_chunks, c.w2_warps, c.fused_combine, c.w2_n_splits)
+               for c in (coserved_config(gpu, table.shape, "fp16", M, layout) for M, layout in
+                         ((1, "humming"), (2, "humming"), (1, "marlin")))]
+        if got != [(1, 2, 1, True, 2), (2, 2, 2, False, 1), (4, 2, 1, True, 1)]:
+            fail(f"co-served configs per (M, layout) {got}")
+        for M in (1, 2):
+            x = torch.randn(M, K, generator=gen).to(F16)
+            tw = torch.rand(M, k, generator=gen)
+            ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32)
+            ids[-1, -1] = E - 1
+            args = (x, tw, ids, *hum.tensors(), N, G)
+            check(f"co-served op over Humming's tensors (CUDA implementation) M={M} config {got[M - 1]}",
+                  awq_humming_grouped_decode_cuda(*args), reference_moe(x, tw, ids, awq), F16)
+            check(f"co-served op over Humming's tensors (CPU implementation) M={M}", awq_humming_grouped_decode(*args),
+                  reference_moe(x, tw, ids, awq), F16)
+    try:
+        awq_humming_grouped_decode(torch.zeros(1, K, dtype=F16), torch.ones(1, k), torch.zeros(1, k, dtype=torch.int32),
+                                   *hum.tensors(), 2 * N, G)
+    except ValueError as error:
+        if "are not a layer of hidden size 256 and intermediate size 256" not in str(error):
+            fail(f"a wrong N refused with {error}")
+    else:
+        fail("the op over Humming's tensors took a wrong intermediate size")
+    print("ok   the op over Humming's tensors: a wrong intermediate size refused", flush=True)
+
+
 def check_coserve_measurement() -> None:
     from moe_grouped_decode.benchmarking import tune
     from moe_grouped_decode.benchmarking.coserve import measure_coserve
@@ -279,8 +330,24 @@ def check_coserve_measurement() -> None:
     if table.tokens != (1, 2, 3) or any("not measured" in line for line in logged):
         fail(f"cut though vLLM's route-table time is within reach, or a cut said at the last count: {table}, "
              f"{logged}")
+    # over Humming's tensors: the Marlin table's counts and picked configs only, its vLLM times reused
+    from moe_grouped_decode.benchmarking.coserve import measure_coserve_humming
+
+    clocked.clear()
+    timed_at.clear()
+    steps.clear()
+    marlin = dataclasses.replace(table, tokens=(1, 2), coserved_us=(4.4, 4.4), vllm_us={"marlin": (9.0, 8.0)},
+                            launch=({"M": 2, "config": {"w13_warps": 2, "w13_chunks": 4, "w2_warps": 2,
+                                                        "fused_combine": True}},))
+    humming = measure_coserve_humming(measure, marlin, step=steps.append, log=logged.append, generator="interpret")
+    if (humming.tokens != (1, 2) or humming.vllm_us != {"marlin": (9.0, 8.0)} or timed_at
+            or sorted({key[2] for key in clocked}) != ["2x4x2"] or len(steps) != 2
+            or [e["config"]["w13_warps"] for e in humming.launch] != [2]):
+        fail(f"co-serving over Humming's tensors: {humming}, timed {clocked}, vLLM timed at {timed_at}, steps {steps}")
     print("ok   co-serving measurement: candidates checked and timed, the fastest per M timed again, its launch "
-          "table, and the counts past vLLM's clear lead left out", flush=True)
+          "table, and the counts past vLLM's clear lead left out; over Humming's tensors the configs and counts "
+          "Marlin's table picked, vLLM's times reused", flush=True)
+
 
 
 if __name__ == "__main__":

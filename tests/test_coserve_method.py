@@ -288,3 +288,148 @@ def test_apply_takes_vllms_keywords_and_maps_expert_parallel_ids(monkeypatch):
     assert method.apply(layer=layer, x=torch.zeros(5, 8), **kwargs) == "vllm"  # past the window
     (args, passed), = vllm_calls
     assert args[0] is layer and args[3] is ids and passed == {"shared_experts": None, "shared_experts_input": None}
+
+
+# --------------------------------------------------------------------------- over Humming's tensors
+
+def humming_table() -> tables.MeasuredTable:
+    """Humming faster than Marlin past the window (forcing Marlin refused), the kernel over
+    Humming's tensors faster than both at 1..3 tokens."""
+    base = coserving_table()
+    routes = dataclasses.replace(base.routes, vllm_us={"marlin": base.routes.vllm_us["marlin"],
+                                                       "humming": tuple(us / 2 for us in base.routes.vllm_us["marlin"])})
+    over = tables.CoserveTable(tokens=(1, 2, 3, 4), coserved_us=(4.0, 5.0, 6.0, 30.0),
+                               vllm_us={"marlin": (10.0,) * 4, "humming": (9.0,) * 4})
+    return dataclasses.replace(base, routes=routes, coserve_humming=over)
+
+
+@pytest.fixture
+def on_hopper_with_humming(on_a_gpu, monkeypatch):
+    """As ``on_a_gpu``, vLLM's own pick HUMMING (vLLM 0.32+ on compute capability 9.0), humming-kernels
+    0.1.17 importable."""
+    from moe_grouped_decode.compile_plugin import quant_config
+
+    monkeypatch.setattr(quant_config, "vllm_own_moe_method",
+                        lambda config, layer, prefix: (on_a_gpu.vllm_method, "HUMMING"))
+    monkeypatch.setitem(__import__("sys").modules, "humming", SimpleNamespace(__version__="0.1.17"))
+    monkeypatch.delenv("VLLM_HUMMING_INPUT_QUANT_CONFIG", raising=False)
+    on_a_gpu.answer["backend"] = "HUMMING"
+    with tables.table_registered(humming_table()):
+        yield on_a_gpu
+
+
+def test_where_vllm_picks_humming_the_layer_keeps_it_and_is_co_served_over_its_tensors(on_hopper_with_humming):
+    from moe_grouped_decode.compile_plugin.coserve_method import AwqHummingCoServedMethod
+
+    layer = fake_layer()
+    method, decision = choose_for(on_hopper_with_humming, layer, "model.layers.h0.mlp.experts")
+    assert isinstance(method, AwqHummingCoServedMethod) and method.window == (1, 3)
+    assert on_hopper_with_humming.asked == ["auto"] and layer.moe_config.moe_backend == "auto"  # nothing forced
+    assert decision.choice.route == "coserved" and decision.vllm_backend == "HUMMING"
+    assert "plugin at 1..3 tokens, Humming above" in method.method_name
+
+
+def test_where_vllm_then_builds_another_backend_the_layer_is_not_co_served(on_hopper_with_humming):
+    on_hopper_with_humming.answer["backend"] = "MARLIN"  # say a --moe-backend the selection did not see
+    method, decision = choose_for(on_hopper_with_humming, fake_layer(), "model.layers.h1.mlp.experts")
+    assert method is on_hopper_with_humming.vllm_method and decision.choice.route == "vllm"
+    assert "vLLM picked MARLIN, not Humming" in decision.choice.reason
+
+
+@pytest.mark.parametrize("change, why", [
+    ({}, None),
+    ({"shape": dataclasses.replace(LAYER, intermediate_size=736)}, "not a multiple of 64"),
+    ({"env": '{"quant_method": "fp8"}'}, "VLLM_HUMMING_INPUT_QUANT_CONFIG is set"),
+    ({"version": "0.2.0"}, "humming-kernels 0.2.0"),
+    ({"version": None}, "humming does not import here"),
+    ({"dp_size": 2}, "data parallelism or all-to-all"),
+])
+def test_what_refuses_co_serving_over_hummings_tensors_before_loading(monkeypatch, change, why):
+    import sys
+
+    from moe_grouped_decode.compile_plugin.coserve_method import humming_refusal_before_loading
+
+    moe = fake_layer().moe_config
+    moe.moe_parallel_config = SimpleNamespace(dp_size=change.get("dp_size", 1), use_all2all_kernels=False)
+    monkeypatch.delenv("VLLM_HUMMING_INPUT_QUANT_CONFIG", raising=False)
+    if "env" in change:
+        monkeypatch.setenv("VLLM_HUMMING_INPUT_QUANT_CONFIG", change["env"])
+    version = change.get("version", "0.1.19")
+    monkeypatch.setitem(sys.modules, "humming", None if version is None else SimpleNamespace(__version__=version))
+    refusal = humming_refusal_before_loading(moe, change.get("shape", LAYER))
+    assert refusal is None if why is None else why in refusal
+
+
+def humming_loaded_layer(shape=LayerShape(4, 2, 256, 192, 64, torch.float16)):
+    """A layer as vLLM's Humming load step leaves it (``humming_layout``'s tensors, its configs), on the CPU."""
+    from moe_grouped_decode.awq import synthetic_moe_weights
+    from moe_grouped_decode.humming_layout import awq_to_humming, humming_padded_sizes
+
+    s = shape
+    hum = awq_to_humming(synthetic_moe_weights(s.num_experts, s.hidden_size, s.intermediate_size, s.group_size,
+                                               dtype=s.dtype, seed=3))
+    k_rows, w13_columns, n_rows, w2_columns = humming_padded_sizes(s.hidden_size, s.intermediate_size)
+
+    def config(n, pad_n, k, pad_k):
+        return SimpleNamespace(shape_n=n, pad_shape_n=pad_n, shape_k=k, pad_shape_k=pad_k, has_zero_point=True,
+                               is_fp_zero_point=False, weight_scale_group_size=s.group_size, use_int_weight_scale=False,
+                               use_fused_e8m0_scale=False, use_packed_k_layout=False, use_raw_weight=False,
+                               use_flat_weight=False, use_ldmatrix_dequant=False, use_native_dequant=False,
+                               has_bias=False, has_input_scale=False, has_input_scale_2=False, weight_scale_2_type=None,
+                               input_quant_mode=None)
+
+    configs = {"w13": config(w13_columns, w13_columns - 2 * s.intermediate_size, k_rows, k_rows - s.hidden_size),
+               "w2": config(w2_columns, w2_columns - s.hidden_size, n_rows, n_rows - s.intermediate_size)}
+    names = ("w13_weight", "w13_weight_scale", "w13_zero_point", "w2_weight", "w2_weight_scale", "w2_zero_point")
+    return SimpleNamespace(humming_configs=configs, expert_map=None, **dict(zip(names, hum.tensors()))), hum
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda layer: None, None),
+    (lambda layer: setattr(layer.humming_configs["w13"], "pad_shape_n", 0), "w13's (shape_n, pad_shape_n"),
+    (lambda layer: setattr(layer.humming_configs["w2"], "shape_k", 192), "w2's (shape_n, pad_shape_n"),
+    (lambda layer: setattr(layer.humming_configs["w2"], "use_native_dequant", True), "sets use_native_dequant"),
+    (lambda layer: setattr(layer.humming_configs["w13"], "is_fp_zero_point", True), "sets is_fp_zero_point"),
+    (lambda layer: setattr(layer.humming_configs["w13"], "input_quant_mode", "token"), "sets input_quant_mode"),
+    (lambda layer: setattr(layer.humming_configs["w13"], "has_zero_point", False), "no integer zero point"),
+    (lambda layer: setattr(layer.humming_configs["w2"], "weight_scale_group_size", 128), "not G = 64"),
+    (lambda layer: layer.humming_configs.pop("w2"), "no humming_configs for w13 and w2"),
+    (lambda layer: setattr(layer, "w2_zero_point", layer.w2_zero_point[:, :1]), "w2_zero_point is"),
+    (lambda layer: setattr(layer, "w13_weight_scale", layer.w13_weight_scale.bfloat16()), "w13_weight_scale is"),
+    (lambda layer: delattr(layer, "w2_weight"), "w2_weight is None"),
+])
+def test_a_loaded_layer_is_co_served_over_hummings_tensors_only_in_the_layout_the_kernel_reads(change, why):
+    from moe_grouped_decode.compile_plugin.coserve_method import humming_refusal
+
+    layer, _ = humming_loaded_layer()
+    change(layer)
+    refusal = humming_refusal(layer, LayerShape(4, 2, 256, 192, 64, torch.float16))
+    assert refusal is None if why is None else why in refusal
+
+
+def test_the_humming_co_served_method_hands_the_op_the_layers_humming_tensors(monkeypatch):
+    """Inside the window the op gets the six tensors vLLM's Humming load left, and its CPU
+    implementation over them computes the AutoAWQ layer (``humming_layout`` is exact)."""
+    from vllm.model_executor.layers.quantization.auto_awq import AutoAWQMoEMethod
+
+    from moe_grouped_decode.compile_plugin import coserve_method
+    from moe_grouped_decode.compile_plugin.coserve_method import AwqHummingCoServedMethod
+    from moe_grouped_decode.humming_layout import humming_to_awq
+    from moe_grouped_decode.ops import awq_humming_grouped_decode, reference_moe
+
+    shape = LayerShape(4, 2, 256, 192, 64, torch.float16)
+    layer, hum = humming_loaded_layer(shape)
+    method = AwqHummingCoServedMethod.__new__(AwqHummingCoServedMethod)
+    method.shape, method.window = shape, (1, 2)
+    monkeypatch.setattr(coserve_method, "awq_humming_grouped_decode_cuda", awq_humming_grouped_decode)
+    monkeypatch.setattr(AutoAWQMoEMethod, "apply", lambda self, *a, **k: "humming")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 256, generator=gen).half()
+    weights = torch.rand(2, 2, generator=gen)
+    ids = torch.tensor([[0, 3], [2, 1]], dtype=torch.int32)
+    out = method.apply(layer, x, weights, ids, shared_experts=None, shared_experts_input=None)
+    want = reference_moe(x, weights, ids, humming_to_awq(hum))
+    assert ((out.double() - want.double()).abs().max() / want.abs().max()).item() < 2e-3
+    assert method.apply(layer, torch.zeros(3, 256).half(), torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32),
+                        shared_experts=None, shared_experts_input=None) == "humming"  # past the window

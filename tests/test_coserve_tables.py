@@ -98,6 +98,54 @@ def test_where_vllm_would_pick_humming_marlin_must_keep_up_past_the_window():
     assert tables.coserve_verdict(slower, "MARLIN").window == (1, 8)
 
 
+def test_where_vllm_picks_humming_the_kernel_over_hummings_tensors_serves_with_humming_past_it():
+    # Humming faster than Marlin past every window: forcing Marlin is refused, keeping Humming is not
+    slower = table(coserve((2.0,) * 6), marlin_over_humming=(0.5, 0.5, 0.5, 1.2, 1.2, 1.2))
+    assert tables.coserve_verdict(slower, "HUMMING").window is None
+    over_humming = dataclasses.replace(slower, coserve_humming=coserve((2.0, 1.9, 1.1, 1.04, 2.0, 2.0)))
+    v = tables.coserve_verdict(over_humming, "HUMMING")
+    assert v.window == (1, 3) and v.layout == "humming"  # 1.04x at 4 tokens is inside the margin
+    assert "on vLLM's Humming tensors at 1..3 tokens (at least 1.10x), vLLM's Humming above" in v.reason
+    # where vLLM picks Marlin the Marlin table decides, whatever the Humming one says
+    v = tables.coserve_verdict(over_humming, "MARLIN")
+    assert v.window == (1, 8) and v.layout == "marlin"
+
+
+def test_where_the_kernel_over_hummings_tensors_loses_the_marlin_rule_still_applies():
+    losing = coserve((1.0,) * 6)
+    keeps_up = dataclasses.replace(table(coserve((2.0,) * 6)), coserve_humming=losing)
+    v = tables.coserve_verdict(keeps_up, "HUMMING")  # Marlin faster than Humming everywhere in the route table
+    assert v.window == (1, 8) and v.layout == "marlin"
+    neither = dataclasses.replace(keeps_up, routes=table(None, marlin_over_humming=(0.5, 0.5, 0.5, 1.2, 1.2, 1.2)).routes)
+    v = tables.coserve_verdict(neither, "HUMMING")
+    assert v.window is None
+    assert "the co-served kernel over Humming's tensors is not 1.05x as fast" in v.reason
+    assert "over Marlin's: vLLM would run humming, faster than Marlin" in v.reason
+
+
+def test_a_co_serving_table_over_hummings_tensors_round_trips_and_is_checked_by_its_name(tmp_path):
+    launch = ({"M": 4, "config": {"w13_warps": 1, "w13_chunks": 8, "w2_warps": 2, "fused_combine": True,
+                                  "w2_n_splits": 2}},)
+    t = dataclasses.replace(table(coserve((2.0,) * 6)), coserve_humming=coserve((1.5,) * 6, launch=launch))
+    path = tables.write_table(t, tmp_path)
+    assert tables.read_dir(tmp_path)[0] == t
+    data = json.loads(path.read_text())
+    data["coserve_humming"]["coserved_us"].pop()
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="every coserve_humming column must have one value per token count"):
+        tables.read_dir(tmp_path)
+
+
+def test_a_layer_where_vllm_picks_humming_is_co_served_over_hummings_tensors():
+    over_humming = dataclasses.replace(table(coserve((2.0,) * 6), marlin_over_humming=(0.5, 0.5, 0.5, 1.2, 1.2, 1.2)),
+                                       coserve_humming=coserve((2.0, 2.0, 0.9, 2.0, 2.0, 2.0)))
+    with tables.table_registered(over_humming):
+        choice = choose(vllm_backend="HUMMING")
+        assert choice.route == "coserved" and choice.coserve_window == (1, 2) and choice.coserve_layout == "humming"
+        choice = choose(vllm_backend="MARLIN")
+        assert choice.coserve_window == (1, 8) and choice.coserve_layout == "marlin"
+
+
 @pytest.mark.parametrize("backend", ["CPU", None, "TRITON"])
 def test_no_co_serving_where_vllm_would_run_neither_marlin_nor_humming(backend):
     v = tables.coserve_verdict(table(coserve((2.0,) * 6)), backend)

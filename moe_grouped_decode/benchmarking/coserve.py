@@ -1,5 +1,6 @@
-"""The co-serving table of a tune: the plugin's grouped decode over vLLM's Marlin tensors against
-vLLM's own backends at the first token counts (``tables.CoserveTable``).
+"""The co-serving tables of a tune: the plugin's grouped decode over vLLM's Marlin tensors, and
+over its Humming tensors, against vLLM's own backends at the first token counts
+(``tables.CoserveTable``).
 
 On the tune's rotated layers converted to vLLM's Marlin layout (``marlin_layout.awq_to_marlin``,
 what vLLM's load step makes of them bit for bit), at each count of ``tokens``: each launch
@@ -11,6 +12,11 @@ says where the kernel stops winning; the verdict keeps the window from 1), up to
 the route table, measured before, has vLLM's faster backend under ``COSERVE_STOP_BELOW`` times the
 kernel's time: no window can reach past that count, so the counts above it are not measured
 (at a shape whose kernel loses from one token on, that saves the step's time but the first count).
+
+Over Humming's tensors (``humming_layout.awq_to_humming``, what vLLM 0.32+'s load step makes of
+the layers; the GPU tests hold it to humming's own repack) the kernel is the same but for its
+strides, so only the configs the Marlin table picked are tried, at the counts it measured, and
+vLLM's times are that table's, taken in the same process on the same inputs.
 """
 
 from __future__ import annotations
@@ -71,15 +77,19 @@ def launch_entries(best: Dict[int, dict]) -> tuple:
 
 def measure_coserve(measure, tokens: Sequence[int] = COSERVE_TOKENS, candidates: Sequence[str] = COSERVE_CANDIDATES,
                     step: Callable[[str], None] = lambda what: None, log=print, generator: str = "",
-                    vllm_best_us: Optional[Dict[int, float]] = None) -> tables.CoserveTable:
+                    vllm_best_us: Optional[Dict[int, float]] = None, layout: str = "marlin",
+                    vllm_us: Optional[Dict[str, tuple]] = None) -> tables.CoserveTable:
     """The co-serving table of ``measure``'s shape (a ``tune.Measurement``: its layers, inputs,
-    clock and vLLM timer); ``step`` is called once per count and once for vLLM's backends.
-    ``vllm_best_us``: vLLM's faster backend per count from the shape's route table, where known;
-    the counts past the first it puts out of reach are skipped (module docstring)."""
+    clock and vLLM timer) over vLLM's ``layout`` ("marlin"/"humming") tensors; ``step`` is called
+    once per count and, unless ``vllm_us`` gives vLLM's times at ``tokens`` already, once for
+    vLLM's backends. ``vllm_best_us``: vLLM's faster backend per count from the shape's route
+    table, where known; the counts past the first it puts out of reach are skipped (module
+    docstring)."""
     import torch
 
+    from ..humming_layout import awq_to_humming
     from ..kernels import device_facts
-    from ..kernels.marlin_grouped import launch_marlin_grouped
+    from ..kernels.marlin_grouped import launch_humming_grouped, launch_marlin_grouped
     from ..kernels.pdl import pdl_supported
     from ..marlin_layout import awq_to_marlin
     from ..ops import reference_moe
@@ -96,15 +106,23 @@ def measure_coserve(measure, tokens: Sequence[int] = COSERVE_TOKENS, candidates:
         configs.append((text, config))
     if not configs:
         raise ValueError(f"no co-serving candidate tiles K = {K}, N = {N}")
-    marlin = [awq_to_marlin(layer) for layer in measure.layers]
     bound = SCALED_DIFF_BOUND[measure.spec.dtype]
-
     use_pdl = pdl_supported(device_facts(measure.device).capability)
+    if layout == "marlin":
+        marlin = [awq_to_marlin(layer) for layer in measure.layers]
 
-    def run(config, i, ids, tws, xs):
-        w = marlin[i]
-        return launch_marlin_grouped(xs[i], tws[i], ids[i], *w.tensors(), N, G, w.scales_grouped, config,
-                                     use_pdl=use_pdl)
+        def run(config, i, ids, tws, xs):
+            w = marlin[i]
+            return launch_marlin_grouped(xs[i], tws[i], ids[i], *w.tensors(), N, G, w.scales_grouped, config,
+                                         use_pdl=use_pdl)
+    elif layout == "humming":
+        humming = [awq_to_humming(layer) for layer in measure.layers]
+
+        def run(config, i, ids, tws, xs):
+            return launch_humming_grouped(xs[i], tws[i], ids[i], *humming[i].tensors(), N, G, config,
+                                          use_pdl=use_pdl)
+    else:
+        raise ValueError(f"layout {layout!r}: expected 'marlin' or 'humming'")
 
     coserved_us: List[float] = []
     best: Dict[int, dict] = {}
@@ -130,7 +148,7 @@ def measure_coserve(measure, tokens: Sequence[int] = COSERVE_TOKENS, candidates:
         coserved_us.append(again)
         measured.append(M)
         best[M] = dataclasses.asdict(dict(configs)[fastest])
-        step(f"co-served M={M}: {again:.1f} us ({fastest})")
+        step(f"co-served ({layout}) M={M}: {again:.1f} us ({fastest})")
         vllm = (vllm_best_us or {}).get(M)
         if vllm is not None and vllm < COSERVE_STOP_BELOW * again and n + 1 < len(tokens):
             log(f"[coserve] M={M}: vLLM's route-table time {vllm:.1f} us is {vllm / again:.2f}x the kernel's, "
@@ -138,23 +156,49 @@ def measure_coserve(measure, tokens: Sequence[int] = COSERVE_TOKENS, candidates:
             for skipped in tokens[n + 1:]:
                 step(f"co-served M={skipped}: not measured")
             break
-    vllm_us: Dict[str, tuple] = {}
-    for backend, times in measure.vllm_timer({M: inputs[M] for M in measured}).items():
-        if not isinstance(times, dict):
-            log(f"[coserve] vLLM's {backend}: {times}")
-            times = {}
-        vllm_us[backend] = tuple(times.get(M) for M in measured)
-    step(f"vLLM's backends at {len(measured)} counts")
+    if vllm_us is not None:
+        given = {M: i for i, M in enumerate(tokens)}
+        vllm_us = {b: tuple(times[given[M]] for M in measured) for b, times in vllm_us.items()}
+    else:
+        vllm_us = {}
+        for backend, times in measure.vllm_timer({M: inputs[M] for M in measured}).items():
+            if not isinstance(times, dict):
+                log(f"[coserve] vLLM's {backend}: {times}")
+                times = {}
+            vllm_us[backend] = tuple(times.get(M) for M in measured)
+        step(f"vLLM's backends at {len(measured)} counts")
     return tables.CoserveTable(tokens=tuple(measured), coserved_us=tuple(coserved_us), vllm_us=vllm_us,
                                launch=launch_entries(best), generator=generator)
 
 
+def humming_refusal(shape) -> Optional[str]:
+    """Why the kernel cannot read Humming's tensors of ``shape`` (E, k, K, N, G), or None."""
+    from ..kernels.marlin_grouped import MARLIN_TILE_COLUMNS
+
+    E, k, K, N, G = shape
+    if N % MARLIN_TILE_COLUMNS.value or 128 % G:
+        return f"N = {N} is not a multiple of {MARLIN_TILE_COLUMNS.value} or G = {G} does not divide 128"
+    return None
+
+
+def measure_coserve_humming(measure, marlin: tables.CoserveTable, step: Callable[[str], None] = lambda what: None,
+                            log=print, generator: str = "") -> tables.CoserveTable:
+    """The co-serving table over Humming's tensors, from the Marlin one just measured in this
+    process: its counts, its picked configs and its vLLM times (module docstring)."""
+    picked = sorted({config_text(entry["config"]) for entry in marlin.launch})
+    return measure_coserve(measure, marlin.tokens, picked, step=step, log=log, generator=generator,
+                           layout="humming", vllm_us=dict(marlin.vllm_us))
+
+
 def markdown(table: tables.MeasuredTable, verdict: tables.CoserveVerdict, vllm_backend: str) -> str:
-    c = table.coserve
+    """The co-serving verdict where vLLM would pick ``vllm_backend``, above the table it read: the
+    one over Humming's tensors where vLLM picks Humming and the table has it, else Marlin's."""
+    layout = "humming" if vllm_backend.lower() == "humming" and table.coserve_humming is not None else "marlin"
+    c = table.coserve_table(layout)
     backends = sorted(c.vllm_us)
     lines = [f"## Co-serving where vLLM would pick {vllm_backend}", "",
              f"{table.name} ({'x'.join(map(str, table.shape))}, {table.dtype}) on {table.gpu}: the plugin's kernel on "
-             "vLLM's Marlin tensors beside vLLM's backends (us per layer)", "",
+             f"vLLM's {layout.title()} tensors beside vLLM's backends (us per layer)", "",
              "| M | co-served | " + " | ".join(backends) + " | vLLM's best / co-served | config |",
              "| ---: | ---: | " + " | ".join("---:" for _ in backends) + " | ---: | --- |"]
     entries = sorted(c.launch, key=lambda e: e["M"])

@@ -4,7 +4,8 @@
 For every shipped table (one GPU model, layer shape and dtype): whether the plugin serves that
 shape there and for which engines (the largest step, vLLM's ``max_num_batched_tokens``, up to
 which it is faster than vLLM's Marlin and Humming at every measured token count), or co-serves
-it (its kernel on vLLM's Marlin tensors at the first token counts, ``tables.coserve_verdict``),
+it (its kernel on vLLM's Marlin or Humming tensors at the first token counts,
+``tables.coserve_verdict``),
 and the range of its speedup. The shapes the project means to serve but has not measured yet are
 listed too: their layers stay with vLLM until a table says otherwise.
 """
@@ -39,20 +40,30 @@ def largest_admitted_step(table: tables.MeasuredTable) -> Optional[int]:
 
 
 def coserved(table: tables.MeasuredTable) -> Optional[Tuple[str, str]]:
-    """(served, speedup span) where the table co-serves the shape (vLLM's own pick Marlin, as vLLM
-    0.26 makes on every GPU; said where a pick of Humming, vLLM 0.32+ on Hopper, would not)."""
-    verdict = tables.coserve_verdict(table, "MARLIN")
-    if verdict.window is None:
+    """(served, speedup span) where the table co-serves the shape: where vLLM's own pick is Marlin
+    (vLLM 0.26 on every GPU) and where it is Humming (vLLM 0.32+ on Hopper), each over that
+    backend's tensors (``tables.coserve_verdict``)."""
+    marlin, humming = tables.coserve_verdict(table, "MARLIN"), tables.coserve_verdict(table, "HUMMING")
+    main = marlin if marlin.window is not None else humming
+    if main.window is None:
         return None
-    lo, hi = verdict.window
-    c = table.coserve
+    lo, hi = main.window
+    c = table.coserve_table(main.layout)
     ratios = [c.vllm_best_us(i) / c.coserved_us[i] for i, m in enumerate(c.tokens) if m <= hi]
-    humming = tables.coserve_verdict(table, "HUMMING").window
     counts = f"{lo}" if lo == hi else f"{lo}..{hi}"
-    served = (f"no: stays with vLLM, **co-served at {counts} token{'s' if hi > 1 else ''}** "
-              "(the plugin's kernel on vLLM's Marlin tensors), vLLM's Marlin above")
-    if humming != verdict.window:
-        served += " (not where vLLM picks Humming)" if humming is None else f" (1..{humming[1]} where vLLM picks Humming)"
+    served = f"no: stays with vLLM, **co-served at {counts} token{'s' if hi > 1 else ''}**"
+    if marlin.window is None:
+        served += (" where vLLM picks Humming (the plugin's kernel on vLLM's Humming tensors), vLLM's Humming above; "
+                   "not where vLLM picks Marlin")
+    elif humming.window == marlin.window and humming.layout == "humming":
+        served += " (the plugin's kernel on vLLM's own tensors, Marlin's or Humming's), vLLM's backend above"
+    else:
+        served += " (the plugin's kernel on vLLM's Marlin tensors), vLLM's Marlin above"
+        if humming.window is None:
+            served += " (not where vLLM picks Humming)"
+        else:
+            over = "Humming's" if humming.layout == "humming" else "Marlin's"
+            served += f" (1..{humming.window[1]} over {over} tensors where vLLM picks Humming)"
     span = f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}-{max(ratios):.2f}x"
     return served, f"{span} at {counts}"
 

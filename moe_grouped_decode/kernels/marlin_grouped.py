@@ -340,24 +340,26 @@ def config_from_entry(entry: dict) -> MarlinGroupedConfig:
         raise ValueError(f"co-served launch-table entry {entry!r}: {error}") from error
 
 
-def coserved_config(gpu: str, shape, dtype: str, num_tokens: int) -> MarlinGroupedConfig:
+def coserved_config(gpu: str, shape, dtype: str, num_tokens: int, layout: str = "marlin") -> MarlinGroupedConfig:
     """The launch config the co-served kernel runs at M = ``num_tokens`` for ``shape`` (E, k, K, N, G)
-    and ``dtype`` ("fp16"/"bf16") on ``gpu``: the measured table's entry (an entry serves every M
-    up to its own, the last every M above), else the default; one that cannot tile the layer's K
-    and N falls back to the default. Asked at every eager call: kept per table generation."""
-    key = (gpu, tuple(shape), dtype, num_tokens, tables.generation())
+    and ``dtype`` ("fp16"/"bf16") on ``gpu`` over vLLM's ``layout`` ("marlin"/"humming") tensors:
+    the measured co-serving table's entry (an entry serves every M up to its own, the last every M
+    above), else the default; one that cannot tile the layer's K and N falls back to the default.
+    Asked at every eager call: kept per table generation."""
+    key = (gpu, tuple(shape), dtype, num_tokens, layout, tables.generation())
     config = _CONFIGS.get(key)
     if config is None:
-        config = _CONFIGS[key] = _coserved_config(gpu, tuple(shape), dtype, num_tokens)
+        config = _CONFIGS[key] = _coserved_config(gpu, tuple(shape), dtype, num_tokens, layout)
     return config
 
 
 _CONFIGS: dict = {}
 
 
-def _coserved_config(gpu: str, shape, dtype: str, num_tokens: int) -> MarlinGroupedConfig:
+def _coserved_config(gpu: str, shape, dtype: str, num_tokens: int, layout: str) -> MarlinGroupedConfig:
     table = tables.config_table(gpu, tuple(shape), dtype)
-    entries = sorted(table.coserve.launch, key=lambda e: e["M"]) if table is not None and table.coserve else []
+    coserve = None if table is None else table.coserve_table(layout)
+    entries = sorted(coserve.launch, key=lambda e: e["M"]) if coserve is not None else []
     config = MarlinGroupedConfig()
     if entries:
         config = config_from_entry(next((e for e in entries if num_tokens <= e["M"]), entries[-1]))
