@@ -19,13 +19,14 @@ Weights are Marlin's words exactly (``marlin_layout.repack_values``). Shapes::
     w2_weight  [E, Np / 16, 2 K2] int32    w2_weight_scale  [E, Np / G, K2]    w2_zero_point  [E, Np / G, K2 / 8]
 
 This is the reference the plugin's kernel over Humming's tensors is checked against; the
-bit-equality with humming's own CUDA repack is checked on a GPU, not here.
+bit-equality with humming's own CUDA repack is checked on a GPU, not here. A layer vLLM loaded for
+Humming is read as this layout only where :func:`loaded_layer_refusal` finds nothing against it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -135,3 +136,72 @@ def humming_to_awq(weights: HummingMoeWeights) -> AwqMoeWeights:
     w13 = back(weights.w13_weight, weights.w13_weight_scale, weights.w13_zero_point, k, 2 * n)
     w2 = back(weights.w2_weight, weights.w2_weight_scale, weights.w2_zero_point, n, k)
     return AwqMoeWeights(*w13, *w2, group_size=g)
+
+
+# what each sublayer's humming LayerConfig must say for its tensors to be ``humming_layout``'s: an
+# integer zero point, group scales, weights packed as the repack of 16-bit activations. humming
+# fills its modes in when the config is made (None becomes an enum member whose value is "none"),
+# so a mode is off where its value is "none"; a flag or mode the config lacks refuses
+_HUMMING_OFF = ("is_fp_zero_point", "use_int_weight_scale", "use_fused_e8m0_scale", "use_packed_k_layout",
+                "use_raw_weight", "use_flat_weight", "use_ldmatrix_dequant", "use_native_dequant", "has_bias",
+                "has_input_scale", "has_input_scale_2", "weight_scale_2_type", "input_quant_mode")
+_MISSING = object()
+
+
+def _is_off(value) -> bool:
+    """A LayerConfig flag (a bool) or mode (an enum, "none" when off) that is off."""
+    return value is None or value is False or getattr(value, "value", value) == "none"
+
+
+def _config_refusal(name: str, config, sizes: tuple, G: int, dtype: torch.dtype) -> Optional[str]:
+    found = tuple(getattr(config, f, None) for f in ("shape_n", "pad_shape_n", "shape_k", "pad_shape_k"))
+    if found != sizes:
+        return f"{name}'s (shape_n, pad_shape_n, shape_k, pad_shape_k) are {found}, the kernel reads {sizes}"
+    if getattr(config, "has_zero_point", False) is not True or getattr(config, "weight_scale_group_size", None) != G:
+        return f"{name} has no integer zero point or its scale groups are not G = {G}"
+    scale_type = getattr(config, "weight_scale_type", None)
+    if getattr(scale_type, "value", scale_type) != "group":
+        return f"{name}'s scales are {scale_type}, not group scales"
+    activations = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(dtype)
+    if str(getattr(config, "b_dtype", None)) != "uint4" or str(getattr(config, "a_dtype", None)) != activations:
+        return (f"{name} holds {getattr(config, 'b_dtype', None)} weights for {getattr(config, 'a_dtype', None)} "
+                f"activations, the kernel reads uint4 for {activations}")
+    missing = [f for f in _HUMMING_OFF if getattr(config, f, _MISSING) is _MISSING]
+    if missing:
+        return f"{name}'s humming config has no {', '.join(missing)}"
+    on = [f"{f}={getattr(config, f)!r}" for f in _HUMMING_OFF if not _is_off(getattr(config, f))]
+    if on:
+        return f"{name}'s repack sets {', '.join(on)}"
+    return None
+
+
+def loaded_layer_refusal(layer, num_experts: int, hidden_size: int, intermediate_size: int, group_size: int,
+                         dtype: torch.dtype) -> Optional[str]:
+    """Why the tensors vLLM's Humming load step left on ``layer`` are not this module's layout of a
+    layer of these sizes and activation dtype, or None: each sublayer's ``humming_configs`` entry
+    (the padded and the layer's own sizes, the dtypes, scale kind and flags of the 16-bit AutoAWQ
+    repack) and the six tensors' shapes and dtypes."""
+    K, N, G = hidden_size, intermediate_size, group_size
+    k_rows, w13_columns, n_rows, w2_columns = humming_padded_sizes(K, N)
+    configs = getattr(layer, "humming_configs", None)
+    if not isinstance(configs, dict) or set(configs) != {"w13", "w2"}:
+        return "the layer holds no humming_configs for w13 and w2"
+    sizes = {"w13": (w13_columns, w13_columns - 2 * N, k_rows, k_rows - K),
+             "w2": (w2_columns, w2_columns - K, n_rows, n_rows - N)}
+    for name, padded in sizes.items():
+        why = _config_refusal(name, configs[name], padded, G, dtype)
+        if why is not None:
+            return why
+    E = num_experts
+    wanted = {"w13_weight": ((E, k_rows // 16, 2 * w13_columns), torch.int32),
+              "w13_weight_scale": ((E, k_rows // G, w13_columns), dtype),
+              "w13_zero_point": ((E, k_rows // G, w13_columns // 8), torch.int32),
+              "w2_weight": ((E, n_rows // 16, 2 * w2_columns), torch.int32),
+              "w2_weight_scale": ((E, n_rows // G, w2_columns), dtype),
+              "w2_zero_point": ((E, n_rows // G, w2_columns // 8), torch.int32)}
+    for name, (size, dtype) in wanted.items():
+        tensor = getattr(layer, name, None)
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != size or tensor.dtype != dtype:
+            found = None if not isinstance(tensor, torch.Tensor) else (tuple(tensor.shape), tensor.dtype)
+            return f"{name} is {found}, the kernel reads {(size, dtype)}"
+    return None

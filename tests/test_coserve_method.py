@@ -7,6 +7,7 @@ is replaced here by each of its answers; the GPU end-to-end run builds the real 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from types import SimpleNamespace
 
 import pytest
@@ -360,7 +361,40 @@ def test_what_refuses_co_serving_over_hummings_tensors_before_loading(monkeypatc
     assert refusal is None if why is None else why in refusal
 
 
-def humming_loaded_layer(shape=LayerShape(4, 2, 256, 192, 64, torch.float16)):
+class InputQuantizationMode(str, enum.Enum):  # humming's config/enum.py, the members used here
+    Disabled = "none"
+    DynamicToken = "dynamic_token"
+
+
+class WeightScaleType(enum.Enum):
+    GROUP = "group"
+    CHANNEL = "channel"
+
+
+class WeightScale2Type(enum.Enum):
+    NONE = "none"
+    TENSOR = "tensor"
+
+
+class DataType(str):
+    """humming's dtypes print as their names ("float16", "uint4")."""
+
+
+def humming_config(shape: LayerShape, n: int, pad_n: int, k: int, pad_k: int):
+    """A sublayer's config as humming's LayerConfig holds it after the 16-bit AutoAWQ repack: its
+    modes filled in as enum members ("none" when off), not None."""
+    activations = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[shape.dtype]
+    return SimpleNamespace(shape_n=n, pad_shape_n=pad_n, shape_k=k, pad_shape_k=pad_k, has_zero_point=True,
+                           is_fp_zero_point=False, weight_scale_group_size=shape.group_size,
+                           weight_scale_type=WeightScaleType.GROUP, a_dtype=DataType(activations),
+                           b_dtype=DataType("uint4"), use_int_weight_scale=False, use_fused_e8m0_scale=False,
+                           use_packed_k_layout=False, use_raw_weight=False, use_flat_weight=False,
+                           use_ldmatrix_dequant=False, use_native_dequant=False, has_bias=False, has_input_scale=False,
+                           has_input_scale_2=False, weight_scale_2_type=WeightScale2Type.NONE,
+                           input_quant_mode=InputQuantizationMode.Disabled)
+
+
+def humming_loaded_layer(shape=LayerShape(4, 2, 256, 192, 64, torch.float16), make_config=humming_config):
     """A layer as vLLM's Humming load step leaves it (``humming_layout``'s tensors, its configs), on the CPU."""
     from moe_grouped_decode.awq import synthetic_moe_weights
     from moe_grouped_decode.humming_layout import awq_to_humming, humming_padded_sizes
@@ -369,17 +403,8 @@ def humming_loaded_layer(shape=LayerShape(4, 2, 256, 192, 64, torch.float16)):
     hum = awq_to_humming(synthetic_moe_weights(s.num_experts, s.hidden_size, s.intermediate_size, s.group_size,
                                                dtype=s.dtype, seed=3))
     k_rows, w13_columns, n_rows, w2_columns = humming_padded_sizes(s.hidden_size, s.intermediate_size)
-
-    def config(n, pad_n, k, pad_k):
-        return SimpleNamespace(shape_n=n, pad_shape_n=pad_n, shape_k=k, pad_shape_k=pad_k, has_zero_point=True,
-                               is_fp_zero_point=False, weight_scale_group_size=s.group_size, use_int_weight_scale=False,
-                               use_fused_e8m0_scale=False, use_packed_k_layout=False, use_raw_weight=False,
-                               use_flat_weight=False, use_ldmatrix_dequant=False, use_native_dequant=False,
-                               has_bias=False, has_input_scale=False, has_input_scale_2=False, weight_scale_2_type=None,
-                               input_quant_mode=None)
-
-    configs = {"w13": config(w13_columns, w13_columns - 2 * s.intermediate_size, k_rows, k_rows - s.hidden_size),
-               "w2": config(w2_columns, w2_columns - s.hidden_size, n_rows, n_rows - s.intermediate_size)}
+    configs = {"w13": make_config(s, w13_columns, w13_columns - 2 * s.intermediate_size, k_rows, k_rows - s.hidden_size),
+               "w2": make_config(s, w2_columns, w2_columns - s.hidden_size, n_rows, n_rows - s.intermediate_size)}
     names = ("w13_weight", "w13_weight_scale", "w13_zero_point", "w2_weight", "w2_weight_scale", "w2_zero_point")
     return SimpleNamespace(humming_configs=configs, expert_map=None, **dict(zip(names, hum.tensors()))), hum
 
@@ -390,7 +415,16 @@ def humming_loaded_layer(shape=LayerShape(4, 2, 256, 192, 64, torch.float16)):
     (lambda layer: setattr(layer.humming_configs["w2"], "shape_k", 192), "w2's (shape_n, pad_shape_n"),
     (lambda layer: setattr(layer.humming_configs["w2"], "use_native_dequant", True), "sets use_native_dequant"),
     (lambda layer: setattr(layer.humming_configs["w13"], "is_fp_zero_point", True), "sets is_fp_zero_point"),
-    (lambda layer: setattr(layer.humming_configs["w13"], "input_quant_mode", "token"), "sets input_quant_mode"),
+    (lambda layer: setattr(layer.humming_configs["w13"], "input_quant_mode", InputQuantizationMode.DynamicToken),
+     "sets input_quant_mode=<InputQuantizationMode.DynamicToken"),
+    (lambda layer: setattr(layer.humming_configs["w2"], "weight_scale_2_type", WeightScale2Type.TENSOR),
+     "sets weight_scale_2_type=<WeightScale2Type.TENSOR"),
+    (lambda layer: setattr(layer.humming_configs["w2"], "weight_scale_type", WeightScaleType.CHANNEL),
+     "not group scales"),
+    (lambda layer: setattr(layer.humming_configs["w13"], "b_dtype", DataType("uint8")), "holds uint8 weights"),
+    (lambda layer: setattr(layer.humming_configs["w13"], "a_dtype", DataType("float8_e4m3")),
+     "for float8_e4m3 activations"),
+    (lambda layer: delattr(layer.humming_configs["w2"], "use_raw_weight"), "has no use_raw_weight"),
     (lambda layer: setattr(layer.humming_configs["w13"], "has_zero_point", False), "no integer zero point"),
     (lambda layer: setattr(layer.humming_configs["w2"], "weight_scale_group_size", 128), "not G = 64"),
     (lambda layer: layer.humming_configs.pop("w2"), "no humming_configs for w13 and w2"),
@@ -433,3 +467,57 @@ def test_the_humming_co_served_method_hands_the_op_the_layers_humming_tensors(mo
     assert ((out.double() - want.double()).abs().max() / want.abs().max()).item() < 2e-3
     assert method.apply(layer, torch.zeros(3, 256).half(), torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32),
                         shared_experts=None, shared_experts_input=None) == "humming"  # past the window
+
+
+def hummings_layer_config():
+    """humming's own LayerConfig class, from the wheel ``vllm-moe-fetch`` keeps (its config modules
+    are pure Python; the package's CUDA parts are not imported); None where it is not here."""
+    import importlib
+    import sys
+    import types
+    from pathlib import Path
+
+    wheels = sorted((Path(__file__).resolve().parents[1] / ".vllm_moe_src" / "humming_whl").glob("*.whl"))
+    if not wheels:
+        return None
+    saved = {name: module for name, module in sys.modules.items() if name == "humming" or name.startswith("humming.")}
+    package = types.ModuleType("humming")
+    package.__path__ = [f"{wheels[-1]}/humming"]
+    sys.modules["humming"] = package
+    try:
+        config = importlib.import_module("humming.config.config")
+        dtypes = importlib.import_module("humming.dtypes")
+        config.current_device = SimpleNamespace(sm_version=90, is_ppu=False)
+        return config.LayerConfig, dtypes
+    except Exception:  # another release's modules: the stand-ins above stay the test
+        return None
+    finally:
+        for name in [n for n in sys.modules if n == "humming" or n.startswith("humming.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def test_hummings_own_layer_config_of_the_awq_repack_is_the_layout_the_kernel_reads():
+    """With humming's LayerConfig as vLLM's load step makes it for a 16-bit AutoAWQ layer on sm 90
+    (``prepare_layer_config``'s fields), nothing refuses; the stand-ins above mirror its filled-in modes."""
+    found = hummings_layer_config()
+    if found is None:
+        pytest.skip("humming-kernels' wheel is not in .vllm_moe_src/ (python -m moe_grouped_decode vllm-moe-fetch)")
+    LayerConfig, dtypes = found
+    from moe_grouped_decode.compile_plugin.coserve_method import humming_refusal
+
+    shape = LayerShape(4, 2, 256, 192, 64, torch.bfloat16)
+
+    def real_config(s, n, pad_n, k, pad_k, **changes):
+        fields = dict(sm_version=90, a_dtype=dtypes.bfloat16, b_dtype=dtypes.DataType.from_str("uint4"),
+                      bs_dtype=dtypes.bfloat16, c_dtype=dtypes.bfloat16, shape_n=n, shape_k=k, pad_shape_n=pad_n,
+                      pad_shape_k=pad_k, num_experts=s.num_experts, weight_scale_group_size=s.group_size,
+                      has_zero_point=True)
+        return LayerConfig(**(fields | changes))
+
+    layer, _ = humming_loaded_layer(shape, real_config)
+    assert humming_refusal(layer, shape) is None
+    sizes = [getattr(layer.humming_configs["w2"], f) for f in ("shape_n", "pad_shape_n", "shape_k", "pad_shape_k")]
+    layer.humming_configs["w2"] = real_config(shape, *sizes, input_quant_mode="dynamic_token",
+                                              a_dtype=dtypes.DataType.from_str("int8"))
+    assert "int8 activations" in humming_refusal(layer, shape)

@@ -163,24 +163,31 @@ def test_the_kernels_over_hummings_tensors_match_reference(name, M, dtype):
 def test_the_reference_layout_is_what_hummings_own_repack_makes(name, dtype):
     """humming_layout.awq_to_humming against humming's own load step on the GPU, as vLLM 0.32-0.34
     call it for an AutoAWQ MoE layer (16-bit activations), bit for bit: unpadded, padded at every
-    end, and qwen3.8-tp4's N = 160."""
+    end, and qwen3.8-tp4's N = 160; and the configs it makes are what the co-served method accepts
+    (``humming_layout.loaded_layer_refusal``: nothing refuses where N tiles by 64)."""
+    from types import SimpleNamespace
+
     from humming.schema import BaseWeightSchema, HummingInputSchema
     from humming.transform import prepare_and_transform_humming_tensors
 
-    from moe_grouped_decode.humming_layout import awq_to_humming
+    from moe_grouped_decode.humming_layout import awq_to_humming, loaded_layer_refusal
 
     (E, k, K, N, G), _ = HUMMING_LAYERS[name]
     awq = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=43)
     ours = awq_to_humming(awq)
     schema = BaseWeightSchema.from_config({"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True})
+    layer = SimpleNamespace(humming_configs={})
     for sub, n, size_k, n_stacks in (("w13", 2 * N, K, [N, N]), ("w2", K, N, [K])):
         awq_tensors = {"qweight": getattr(awq, f"{sub}_qweight").cuda(), "scales": getattr(awq, f"{sub}_scales").cuda(),
                        "qzeros": getattr(awq, f"{sub}_qzeros").cuda()}
         converted_schema, converted = schema.convert_humming(tensors=awq_tensors, shape_n_stacks=n_stacks,
                                                              shape_k_stacks=[size_k], param_dtype=dtype, num_experts=E)
-        _, made = prepare_and_transform_humming_tensors(
+        layer.humming_configs[sub], made = prepare_and_transform_humming_tensors(
             tensors=dict(converted), shape_n=n, shape_k=size_k, pad_n_to_multiple=256, pad_k_to_multiple=128,
             input_schema=HummingInputSchema(), weight_schema=converted_schema, num_experts=E, torch_dtype=dtype,
             device=converted["weight"].device)
         for key in ("weight", "weight_scale", "zero_point"):
             assert torch.equal(made[key].cpu(), getattr(ours, f"{sub}_{key}")), (sub, key)
+            setattr(layer, f"{sub}_{key}", made[key])
+    if N % 64 == 0:
+        assert loaded_layer_refusal(layer, E, K, N, G, dtype) is None

@@ -191,9 +191,10 @@ def measure_coserve_humming(measure, marlin: tables.CoserveTable, step: Callable
 
 
 def markdown(table: tables.MeasuredTable, verdict: tables.CoserveVerdict, vllm_backend: str) -> str:
-    """The co-serving verdict where vLLM would pick ``vllm_backend``, above the table it read: the
-    one over Humming's tensors where vLLM picks Humming and the table has it, else Marlin's."""
-    layout = "humming" if vllm_backend.lower() == "humming" and table.coserve_humming is not None else "marlin"
+    """The co-serving verdict where vLLM would pick ``vllm_backend``, above the table it read (where
+    it gives no window: over Humming's tensors where vLLM picks Humming and the table has them)."""
+    layout = verdict.layout if verdict.window is not None else (
+        "humming" if vllm_backend.lower() == "humming" and table.coserve_humming is not None else "marlin")
     c = table.coserve_table(layout)
     backends = sorted(c.vllm_us)
     lines = [f"## Co-serving where vLLM would pick {vllm_backend}", "",

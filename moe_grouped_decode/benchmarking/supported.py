@@ -42,14 +42,14 @@ def largest_admitted_step(table: tables.MeasuredTable) -> Optional[int]:
 def coserved(table: tables.MeasuredTable) -> Optional[Tuple[str, str]]:
     """(served, speedup span) where the table co-serves the shape: where vLLM's own pick is Marlin
     (vLLM 0.26 on every GPU) and where it is Humming (vLLM 0.32+ on Hopper), each over that
-    backend's tensors (``tables.coserve_verdict``)."""
+    backend's tensors (``tables.coserve_verdict``); the span covers both windows' tables."""
     marlin, humming = tables.coserve_verdict(table, "MARLIN"), tables.coserve_verdict(table, "HUMMING")
     main = marlin if marlin.window is not None else humming
     if main.window is None:
         return None
     lo, hi = main.window
-    c = table.coserve_table(main.layout)
-    ratios = [c.vllm_best_us(i) / c.coserved_us[i] for i, m in enumerate(c.tokens) if m <= hi]
+    ratios = [c.vllm_best_us(i) / c.coserved_us[i] for v in (marlin, humming) if v.window is not None
+              for c in [table.coserve_table(v.layout)] for i, m in enumerate(c.tokens) if m <= v.window[1]]
     counts = f"{lo}" if lo == hi else f"{lo}..{hi}"
     served = f"no: stays with vLLM, **co-served at {counts} token{'s' if hi > 1 else ''}**"
     if marlin.window is None:

@@ -32,7 +32,7 @@ from vllm.model_executor.layers.fused_moe import FusedMoEConfig
 from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig, AutoAWQMoEMethod
 
 from ..contract import LayerShape
-from ..humming_layout import humming_padded_sizes
+from ..humming_layout import loaded_layer_refusal
 from ..marlin_layout import vllm_scales_grouped
 from ..ops import awq_humming_grouped_decode_cuda, awq_marlin_grouped_decode_cuda, local_expert_ids
 from .moe_method import check_expert_map
@@ -106,47 +106,11 @@ def humming_refusal_before_loading(moe: FusedMoEConfig, shape: LayerShape) -> Op
     return None
 
 
-# what each sublayer's humming LayerConfig must say for its tensors to be ``humming_layout``'s: an
-# integer zero point, group scales in 16 bits, weights packed as the repack of 16-bit activations
-_HUMMING_FLAGS_OFF = ("is_fp_zero_point", "use_int_weight_scale", "use_fused_e8m0_scale", "use_packed_k_layout",
-                      "use_raw_weight", "use_flat_weight", "use_ldmatrix_dequant", "use_native_dequant", "has_bias",
-                      "has_input_scale", "has_input_scale_2", "weight_scale_2_type", "input_quant_mode")
-
-
 def humming_refusal(layer, shape: LayerShape) -> Optional[str]:
-    """Why this loaded layer's Humming tensors are not the layout the kernel reads, or None:
-    each sublayer's ``humming_configs`` entry (the padded and the layer's own sizes, the flags of
-    the 16-bit AutoAWQ repack) and the six tensors' shapes and dtypes."""
-    K, N, G = shape.hidden_size, shape.intermediate_size, shape.group_size
-    k_rows, w13_columns, n_rows, w2_columns = humming_padded_sizes(K, N)
-    configs = getattr(layer, "humming_configs", None)
-    if not isinstance(configs, dict) or set(configs) != {"w13", "w2"}:
-        return "the layer holds no humming_configs for w13 and w2"
-    sizes = {"w13": (w13_columns, w13_columns - 2 * N, k_rows, k_rows - K),
-             "w2": (w2_columns, w2_columns - K, n_rows, n_rows - N)}
-    for name, (n, pad_n, k, pad_k) in sizes.items():
-        config = configs[name]
-        found = tuple(getattr(config, f, None) for f in ("shape_n", "pad_shape_n", "shape_k", "pad_shape_k"))
-        if found != (n, pad_n, k, pad_k):
-            return f"{name}'s (shape_n, pad_shape_n, shape_k, pad_shape_k) are {found}, the kernel reads {(n, pad_n, k, pad_k)}"
-        if not getattr(config, "has_zero_point", False) or getattr(config, "weight_scale_group_size", None) != G:
-            return f"{name} has no integer zero point or its scale groups are not G = {G}"
-        flags = [f for f in _HUMMING_FLAGS_OFF if getattr(config, f, None)]
-        if flags:
-            return f"{name}'s repack sets {', '.join(flags)}"
-    E = shape.num_experts
-    wanted = {"w13_weight": ((E, k_rows // 16, 2 * w13_columns), torch.int32),
-              "w13_weight_scale": ((E, k_rows // G, w13_columns), shape.dtype),
-              "w13_zero_point": ((E, k_rows // G, w13_columns // 8), torch.int32),
-              "w2_weight": ((E, n_rows // 16, 2 * w2_columns), torch.int32),
-              "w2_weight_scale": ((E, n_rows // G, w2_columns), shape.dtype),
-              "w2_zero_point": ((E, n_rows // G, w2_columns // 8), torch.int32)}
-    for name, (size, dtype) in wanted.items():
-        tensor = getattr(layer, name, None)
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != size or tensor.dtype != dtype:
-            found = None if not isinstance(tensor, torch.Tensor) else (tuple(tensor.shape), tensor.dtype)
-            return f"{name} is {found}, the kernel reads {(size, dtype)}"
-    return None
+    """Why this loaded layer's Humming tensors are not the layout the kernel reads, or None
+    (``humming_layout.loaded_layer_refusal``)."""
+    return loaded_layer_refusal(layer, shape.num_experts, shape.hidden_size, shape.intermediate_size,
+                                shape.group_size, shape.dtype)
 
 
 class _CoServedMethod(AutoAWQMoEMethod):
