@@ -25,6 +25,7 @@ Humming is read as this layout only where :func:`loaded_layer_refusal` finds not
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -149,8 +150,10 @@ _MISSING = object()
 
 
 def _is_off(value) -> bool:
-    """A LayerConfig flag (a bool) or mode (an enum, "none" when off) that is off."""
-    return value is None or value is False or getattr(value, "value", value) == "none"
+    """A LayerConfig mode (an enum member, "none" when off) or flag (off when falsy) that is off."""
+    if isinstance(value, enum.Enum):
+        return value.value == "none"
+    return not value
 
 
 def _config_refusal(name: str, config, sizes: tuple, G: int, dtype: torch.dtype) -> Optional[str]:
