@@ -114,6 +114,52 @@ def test_the_co_serving_step_is_told_vllms_faster_backend_where_the_route_table_
     assert tune.vllm_best_by_count(r) == {1: 20.0, 64: 85.0}  # nothing at 8: no cut can be made there
 
 
+@pytest.mark.parametrize("shape, over_humming", [((128, 8, 2048, 768, 128), True), ((512, 10, 2560, 160, 32), False)])
+def test_the_co_serving_step_measures_hummings_tensors_where_the_kernel_reads_them(monkeypatch, shape, over_humming):
+    """After Marlin's table (here cut after two of four counts), the same counts over Humming's
+    tensors, where N tiles by 64 (not at N = 160); the progress bar counts every step it announced."""
+    from moe_grouped_decode.benchmarking import coserve
+
+    marlin = tables.CoserveTable(tokens=(1, 2), coserved_us=(5.0, 6.0), vllm_us={"marlin": (9.0, 9.0)})
+    humming = dataclasses.replace(marlin, coserved_us=(5.5, 6.5))
+    calls = []
+
+    def fake_marlin(measure, tokens, step, log, generator, vllm_best_us):
+        calls.append(("marlin", tuple(tokens), vllm_best_us))
+        for m in tokens[:2]:
+            step(f"co-served (marlin) M={m}")
+        for m in tokens[2:]:
+            step(f"co-served M={m}: not measured")
+        step("vLLM's backends")
+        return marlin
+
+    def fake_humming(measure, table, step, log, generator):
+        calls.append(("humming", table))
+        for m in table.tokens:
+            step(f"co-served (humming) M={m}")
+        return humming
+
+    monkeypatch.setattr(tune, "measure_coserve", fake_marlin)
+    monkeypatch.setattr(tune, "measure_coserve_humming", fake_humming)
+    steps = []
+
+    class Counting(tune.Progress):
+        def step(self, what):
+            steps.append(what)
+
+    tokens = (1, 2, 3, 4)
+    progress = Counting(tune.coserve_steps(shape, tokens))
+    measure = type("M", (), {"spec": tune.LayerSpec(shape, "fp16", "test")})()
+    routes = tune.route_table((1, 2), (5.0, 6.0), (9.0, 9.0), {"marlin": (8.0, 9.0)})
+    logged = []
+    got = tune.measure_coserving(measure, tokens, routes, progress, "gen", logged.append)
+    assert got == ((marlin, humming) if over_humming else (marlin, None))
+    assert calls[0] == ("marlin", tokens, {1: 8.0, 2: 9.0})
+    assert (calls[1:] == [("humming", marlin)]) is over_humming
+    assert len(steps) == progress.total == (2 * len(tokens) + 1 if over_humming else len(tokens) + 1)
+    assert over_humming or any("not over Humming's tensors: N = 160" in line for line in logged)
+
+
 def test_launch_table_entries_serve_every_count_up_to_their_own():
     from moe_grouped_decode.kernels.config import GroupedConfig
 
