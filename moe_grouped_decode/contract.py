@@ -410,14 +410,19 @@ def choose_method(shape: LayerShape, device: str, *, plugin_on: bool, force: boo
     from .env import batch_invariant
 
     table = _table_for(device, shape)
+    not_shared = ""
     # batch-invariant mode gives a token the same bits at every M: one kernel, not two
     if coserve and table is not None and not batch_invariant():
         shared = tables.coserve_verdict(table, vllm_backend, max_tokens)
         if shared.window is not None:
             return LayerChoice(False, Admission(None, shared.reason), shared.reason, coserve_window=shared.window,
                                coserve_layout=shared.layout)
+        if (vllm_backend or "").lower() == "humming" and table.coserve is not None and table.coserve_humming is None:
+            # measured over Marlin's tensors only: over Humming's the same window may hold
+            not_shared = (f"; not co-served where vLLM runs Humming: not measured over its tensors "
+                          f"(`{tune_command(shape)} --coserve-only` measures it)")
     if measured is not None:
-        why = f"not admitted: {measured.reason}"
+        why = f"not admitted: {measured.reason}{not_shared}"
     else:
         why = f"no table measured on {device} for this shape and dtype"
         if device != "cpu":  # tune measures on a GPU

@@ -244,6 +244,15 @@ def test_a_layer_co_serving_cannot_help_stays_with_vllm_and_says_why():
     assert choice.route == "vllm" and choice.coserve_window is None and "not admitted" in choice.reason
 
 
+def test_where_vllm_runs_humming_and_only_marlins_tensors_were_measured_the_reason_says_how_to_measure():
+    with tables.table_registered(table(coserve((2.0,) * 6), marlin_over_humming=(0.5, 0.5, 0.5, 1.2, 1.2, 1.2))):
+        choice = choose(vllm_backend="HUMMING")
+        assert choice.route == "vllm" and "not admitted" in choice.reason
+        assert ("not co-served where vLLM runs Humming: not measured over its tensors (`python -m moe_grouped_decode "
+                "tune --shape 128,8,2048,768,128 --dtype fp16 --coserve-only` measures it)") in choice.reason
+        assert "Humming" not in choose(vllm_backend="MARLIN", coserve=False).reason
+
+
 def test_the_supported_models_row_says_where_a_shape_is_co_served():
     from moe_grouped_decode.benchmarking import supported
 
