@@ -53,6 +53,16 @@ def humming_padded_sizes(hidden_size: int, intermediate_size: int) -> Tuple[int,
             _round_up(k, HUMMING_PAD_N))
 
 
+def humming_tensor_shapes(num_experts: int, hidden_size: int, intermediate_size: int, group_size: int) -> dict:
+    """The six tensors' names, as vLLM's Humming load step registers them, and their shapes (the
+    module docstring's), in the order ``HummingMoeWeights.tensors`` gives them."""
+    E, G = num_experts, group_size
+    k_rows, w13_columns, n_rows, w2_columns = humming_padded_sizes(hidden_size, intermediate_size)
+    return {"w13_weight": (E, k_rows // 16, 2 * w13_columns), "w13_weight_scale": (E, k_rows // G, w13_columns),
+            "w13_zero_point": (E, k_rows // G, w13_columns // 8), "w2_weight": (E, n_rows // 16, 2 * w2_columns),
+            "w2_weight_scale": (E, n_rows // G, w2_columns), "w2_zero_point": (E, n_rows // G, w2_columns // 8)}
+
+
 def pack_plain_zeros(zeros: torch.Tensor) -> torch.Tensor:
     """Logical zero points [E, groups, N] -> Humming's [E, groups, N / 8] int32: the grouped scale
     order, then nibble m of word 8 c + i holds column 64 c + i + 8 m."""
@@ -195,16 +205,10 @@ def loaded_layer_refusal(layer, num_experts: int, hidden_size: int, intermediate
         why = _config_refusal(name, configs[name], padded, G, dtype)
         if why is not None:
             return why
-    E = num_experts
-    wanted = {"w13_weight": ((E, k_rows // 16, 2 * w13_columns), torch.int32),
-              "w13_weight_scale": ((E, k_rows // G, w13_columns), dtype),
-              "w13_zero_point": ((E, k_rows // G, w13_columns // 8), torch.int32),
-              "w2_weight": ((E, n_rows // 16, 2 * w2_columns), torch.int32),
-              "w2_weight_scale": ((E, n_rows // G, w2_columns), dtype),
-              "w2_zero_point": ((E, n_rows // G, w2_columns // 8), torch.int32)}
-    for name, (size, dtype) in wanted.items():
+    for name, size in humming_tensor_shapes(num_experts, K, N, G).items():
+        wanted = dtype if name.endswith("_scale") else torch.int32
         tensor = getattr(layer, name, None)
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != size or tensor.dtype != dtype:
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != size or tensor.dtype != wanted:
             found = None if not isinstance(tensor, torch.Tensor) else (tuple(tensor.shape), tensor.dtype)
-            return f"{name} is {found}, the kernel reads {(size, dtype)}"
+            return f"{name} is {found}, the kernel reads {(size, wanted)}"
     return None

@@ -48,8 +48,11 @@ def coserved(table: tables.MeasuredTable) -> Optional[Tuple[str, str]]:
     if main.window is None:
         return None
     lo, hi = main.window
-    ratios = [c.vllm_best_us(i) / c.coserved_us[i] for v in (marlin, humming) if v.window is not None
-              for c in [table.coserve_table(v.layout)] for i, m in enumerate(c.tokens) if m <= v.window[1]]
+    ratios = []
+    for v in (marlin, humming):
+        if v.window is not None:
+            c = table.coserve_table(v.layout)
+            ratios += [c.vllm_best_us(i) / c.coserved_us[i] for i, m in enumerate(c.tokens) if m <= v.window[1]]
     counts = f"{lo}" if lo == hi else f"{lo}..{hi}"
     served = f"no: stays with vLLM, **co-served at {counts} token{'s' if hi > 1 else ''}**"
     if marlin.window is None:

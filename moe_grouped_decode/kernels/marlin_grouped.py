@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .. import tables
-from ..humming_layout import humming_padded_sizes
+from ..humming_layout import humming_padded_sizes, humming_tensor_shapes
 from .awq_mma import CHUNK_LOOP_UNROLL, CHUNK_ROWS, UNROLLED_CHUNKS, chunk_lanes
 from .awq_tiles import silu_mul
 from .combine import combine_sums
@@ -417,9 +417,7 @@ def launch_humming_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids
         raise ValueError(f"N = {N}, G = {G}, K = {K}: the kernel over Humming's tensors needs N a multiple of "
                          f"{MARLIN_TILE_COLUMNS.value} (gate and up on whole tiles), G of 32 dividing 128, K and N "
                          "of G")
-    wanted = {"w13_weight": (E, k_rows // 16, 2 * w13_columns), "w13_weight_scale": (E, k_rows // G, w13_columns),
-              "w13_zero_point": (E, k_rows // G, w13_columns // 8), "w2_weight": (E, n_rows // 16, 2 * w2_columns),
-              "w2_weight_scale": (E, n_rows // G, w2_columns), "w2_zero_point": (E, n_rows // G, w2_columns // 8)}
+    wanted = humming_tensor_shapes(E, K, N, G)
     tensors = (w13_weight, w13_weight_scale, w13_zero_point, w2_weight, w2_weight_scale, w2_zero_point)
     _check_shapes(wanted, tensors, f" for Humming's layer of K = {K}, N = {N}, G = {G}")
     w13_layout = dict(STORED_COLUMNS=w13_columns, STORED_ROWS=k_rows, UP_TILE=N // MARLIN_TILE_COLUMNS.value,

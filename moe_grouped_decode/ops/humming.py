@@ -21,7 +21,7 @@ from ..kernels import device_facts
 from ..kernels.marlin_grouped import coserved_config, launch_humming_grouped
 from ..kernels.pdl import pdl_supported
 from .awq_moe import LIBRARY, awq_moe_dense
-from .marlin import MARLIN_ACTIVATION_DTYPES
+from .marlin import check_routing_args
 
 OP = "awq_humming_grouped_decode"
 
@@ -29,18 +29,7 @@ OP = "awq_humming_grouped_decode"
 def check_humming_args(hidden_states, topk_weights, topk_ids, w13_weight, w13_weight_scale, w2_weight,
                        intermediate_size: int) -> None:
     """Shape-only checks both implementations share (the kernel launch checks every tensor)."""
-    if hidden_states.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"{OP}: hidden_states [M, K] and topk_weights / topk_ids [M, k] of one shape, got "
-                         f"{tuple(hidden_states.shape)}, {tuple(topk_weights.shape)}, {tuple(topk_ids.shape)}")
-    if topk_ids.shape[0] != hidden_states.shape[0]:
-        raise ValueError(f"{OP}: {topk_ids.shape[0]} rows of ids for {hidden_states.shape[0]} tokens")
-    if hidden_states.dtype not in MARLIN_ACTIVATION_DTYPES or w13_weight_scale.dtype != hidden_states.dtype:
-        raise ValueError(f"{OP}: activations and scales of one dtype among {MARLIN_ACTIVATION_DTYPES}, got "
-                         f"{hidden_states.dtype} and {w13_weight_scale.dtype}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{OP}: topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if topk_weights.dtype not in (torch.float32, hidden_states.dtype):
-        raise ValueError(f"{OP}: topk_weights must be float32 or {hidden_states.dtype}, got {topk_weights.dtype}")
+    check_routing_args(OP, hidden_states, topk_weights, topk_ids, w13_weight_scale)
     k_rows, w13_columns, n_rows, w2_columns = humming_padded_sizes(hidden_states.shape[1], intermediate_size)
     if (tuple(w13_weight.shape[1:]) != (k_rows // 16, 2 * w13_columns)
             or tuple(w2_weight.shape) != (w13_weight.shape[0], n_rows // 16, 2 * w2_columns)):

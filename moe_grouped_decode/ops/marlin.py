@@ -25,22 +25,26 @@ from .awq_moe import LIBRARY, awq_moe_dense
 MARLIN_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def check_routing_args(op: str, hidden_states, topk_weights, topk_ids, scales) -> None:
+    """The checks every co-served op makes of its activations, routing and scales' dtype; ``op``
+    names it in the error."""
+    if hidden_states.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"{op}: hidden_states [M, K] and topk_weights / topk_ids [M, k] of one shape, got "
+                         f"{tuple(hidden_states.shape)}, {tuple(topk_weights.shape)}, {tuple(topk_ids.shape)}")
+    if topk_ids.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"{op}: {topk_ids.shape[0]} rows of ids for {hidden_states.shape[0]} tokens")
+    if hidden_states.dtype not in MARLIN_ACTIVATION_DTYPES or scales.dtype != hidden_states.dtype:
+        raise ValueError(f"{op}: activations and scales of one dtype among {MARLIN_ACTIVATION_DTYPES}, got "
+                         f"{hidden_states.dtype} and {scales.dtype}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_weights.dtype not in (torch.float32, hidden_states.dtype):
+        raise ValueError(f"{op}: topk_weights must be float32 or {hidden_states.dtype}, got {topk_weights.dtype}")
+
+
 def check_marlin_args(hidden_states, topk_weights, topk_ids, w13_qweight, w2_qweight, w13_scales) -> None:
     """Shape-only checks both implementations share (the kernel launch checks the weights)."""
-    if hidden_states.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"awq_marlin_grouped_decode: hidden_states [M, K] and topk_weights / topk_ids [M, k] of one "
-                         f"shape, got {tuple(hidden_states.shape)}, {tuple(topk_weights.shape)}, "
-                         f"{tuple(topk_ids.shape)}")
-    if topk_ids.shape[0] != hidden_states.shape[0]:
-        raise ValueError(f"awq_marlin_grouped_decode: {topk_ids.shape[0]} rows of ids for {hidden_states.shape[0]} tokens")
-    if hidden_states.dtype not in MARLIN_ACTIVATION_DTYPES or w13_scales.dtype != hidden_states.dtype:
-        raise ValueError(f"awq_marlin_grouped_decode: activations and scales of one dtype among "
-                         f"{MARLIN_ACTIVATION_DTYPES}, got {hidden_states.dtype} and {w13_scales.dtype}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"awq_marlin_grouped_decode: topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if topk_weights.dtype not in (torch.float32, hidden_states.dtype):
-        raise ValueError(f"awq_marlin_grouped_decode: topk_weights must be float32 or {hidden_states.dtype}, got "
-                         f"{topk_weights.dtype}")
+    check_routing_args("awq_marlin_grouped_decode", hidden_states, topk_weights, topk_ids, w13_scales)
     if w13_qweight.shape[1] * 16 != hidden_states.shape[1] or w2_qweight.shape[0] != w13_qweight.shape[0]:
         raise ValueError(f"awq_marlin_grouped_decode: Marlin weights {tuple(w13_qweight.shape)}, "
                          f"{tuple(w2_qweight.shape)} are not a layer of hidden size {hidden_states.shape[1]}")
