@@ -77,6 +77,42 @@ def _zero_word(word, PLAIN_ZEROS: tl.constexpr):
         return word
 
 
+# rows of one expert a W13 program takes with GROUP_ROWS: the mma's 8 token columns
+GROUP_ROWS_MAX = tl.constexpr(8)
+_ID_SCAN = tl.constexpr(64)  # routed ids read per step of the scan for a row's fellow rows
+
+
+@triton.jit
+def _expert_row_group(ids_ptr, rows, row, expert):
+    """The rows routed to ``expert`` (``row``'s id) taken GROUP_ROWS_MAX at a time in row order:
+    (how many of the expert's rows come before ``row``: a multiple of GROUP_ROWS_MAX where ``row``
+    is the first of its group; the group's rows [GROUP_ROWS_MAX], 0 past its end; how many it has). Only a group's first row's programs compute; the rest have nothing to
+    do, so an expert's weights are read once per group instead of once per row."""
+    offsets = tl.arange(0, _ID_SCAN)
+    earlier = 0  # rows of the expert before ``row``
+    for r0 in range(0, row, _ID_SCAN):
+        r = r0 + offsets
+        earlier += tl.sum(((r < row) & (tl.load(ids_ptr + r, mask=r < row, other=-1) == expert)).to(tl.int32))
+    slot = tl.arange(0, GROUP_ROWS_MAX)
+    members = tl.zeros([GROUP_ROWS_MAX], dtype=tl.int64)
+    count = 0  # the expert's rows from ``row`` on
+    for r0 in range(row, rows, _ID_SCAN):
+        r = r0 + offsets
+        same = (r < rows) & (tl.load(ids_ptr + r, mask=r < rows, other=-1) == expert)
+        rank = count + tl.cumsum(same.to(tl.int32), axis=0) - 1  # among the rows from ``row`` on
+        taken = same[None, :] & (rank[None, :] == slot[:, None])
+        members += tl.sum(tl.where(taken, r[None, :].to(tl.int64), 0), axis=1)
+        count += tl.sum(same.to(tl.int32))
+    return earlier, members, tl.minimum(count, GROUP_ROWS_MAX)
+
+
+@triton.jit
+def _lane_rows(members, n):
+    """members[n] for a 2-D index tensor ``n`` of values in [0, GROUP_ROWS_MAX)."""
+    slot = tl.arange(0, GROUP_ROWS_MAX)
+    return tl.sum(tl.where(n[:, :, None] == slot[None, None, :], members[None, None, :], 0), axis=2)
+
+
 @triton.jit
 def marlin_w13_kernel(
     x_ptr, stride_xm, ids_ptr, num_experts,
@@ -86,12 +122,14 @@ def marlin_w13_kernel(
     CHUNKS: tl.constexpr, WARPS: tl.constexpr, SPLITS: tl.constexpr, SCALES_GROUPED: tl.constexpr,
     IS_BF16: tl.constexpr, USE_PDL: tl.constexpr, ARRIVALS_PAD: tl.constexpr = 0,
     STORED_COLUMNS: tl.constexpr = 0, STORED_ROWS: tl.constexpr = 0, UP_TILE: tl.constexpr = 0,
-    PLAIN_ZEROS: tl.constexpr = False,
+    PLAIN_ZEROS: tl.constexpr = False, GROUP_ROWS: tl.constexpr = False,
 ):
     """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols].
 
     Marlin's tensors by default; Humming's (``humming_layout``) with STORED_COLUMNS / STORED_ROWS
-    (the padded [K, 2N] the tensors hold), UP_TILE (up's first tile) and PLAIN_ZEROS."""
+    (the padded [K, 2N] the tensors hold), UP_TILE (up's first tile) and PLAIN_ZEROS. GROUP_ROWS:
+    a row's programs take up to GROUP_ROWS_MAX rows of its expert as the mma's token columns
+    (``_expert_row_group``); each row's partials are the same bits either way."""
     let_next_launch_start(USE_PDL)
     HALF_TILES: tl.constexpr = (N + MARLIN_TILE_COLUMNS - 1) // MARLIN_TILE_COLUMNS  # real tiles of gate (of up)
     TILES: tl.constexpr = 2 * HALF_TILES
@@ -114,9 +152,15 @@ def marlin_w13_kernel(
     padded_tile = half * FIRST_UP_TILE + tile % HALF_TILES
     expert = tl.load(ids_ptr + row)
     valid = (expert >= 0) & (expert < num_experts)
+    if GROUP_ROWS:
+        earlier, members, count = _expert_row_group(ids_ptr, rows, row, expert)
+        if earlier % GROUP_ROWS_MAX != 0:
+            return
     expert = tl.where(valid, expert, 0).to(tl.int64)
     token = (row // TOP_K).to(tl.int64)
     warp, g, t, e = chunk_lanes(WARPS)
+    if GROUP_ROWS:
+        token = _lane_rows(members, g) // TOP_K  # lane group g holds token column g
     block, word = marlin_word_offsets(t, g, e)
     qweight_base = qweight_ptr + expert * (K_ROWS // 16 * ROW_WORDS) + padded_tile * MARLIN_TILE_WORDS + word
     scales_base = scales_ptr + expert * (K_ROWS // G * COLUMNS) + padded_tile * MARLIN_TILE_COLUMNS + _scale_columns(g, e, SCALES_GROUPED)
@@ -127,7 +171,10 @@ def marlin_w13_kernel(
         k0 = split * SPLIT_ROWS + (warp * CHUNKS + c) * CHUNK_ROWS
         group = k0 // G
         words = tl.load(qweight_base + (k0 // 16 + block) * ROW_WORDS)
-        x = tl.load(x_ptr + token * stride_xm + marlin_chunk_rows(k0, t, e), mask=g == 0, other=0.0)
+        if GROUP_ROWS:
+            x = tl.load(x_ptr + token * stride_xm + marlin_chunk_rows(k0, t, e), mask=g < count, other=0.0)
+        else:
+            x = tl.load(x_ptr + token * stride_xm + marlin_chunk_rows(k0, t, e), mask=g == 0, other=0.0)
         scales = tl.load(scales_base + group * COLUMNS)
         zeros = _zero_word(tl.load(qzeros_base + group * (COLUMNS // 8)), PLAIN_ZEROS)
         d_lo, d_hi = marlin_mma_chunk(words, x, scales, zeros, IS_BF16, WARPS)
@@ -140,6 +187,9 @@ def marlin_w13_kernel(
     col = (tile % HALF_TILES) * MARLIN_TILE_COLUMNS + marlin_chunk_columns(g, e)  # within gate (up)
     keep = (t == 0) & (e % 2 == 0)  # token column 0: this row's token
     out_base = partials_ptr + (split * rows + row) * (2 * N) + half * N
+    if GROUP_ROWS:  # element e of lane (g, t) is token column 2 t + e % 2: its row's partials
+        keep = 2 * t + e % 2 < count
+        out_base = partials_ptr + (split * rows + _lane_rows(members, 2 * t + e % 2)) * (2 * N) + half * N
     tl.store(out_base + col, acc_lo, mask=keep & (col < N))
     tl.store(out_base + col + 32, acc_hi, mask=keep & (col + 32 < N))
 
@@ -305,7 +355,10 @@ class MarlinGroupedConfig:
     warp (a K split is warps x chunks x 32 rows; it must divide K), W2's column warps (64 output
     columns each; 64 x warps must divide K), its row warps per column warp (each every
     ``w2_row_warps``-th 32-row chunk of its rows) and its N splits (programs that each take
-    N / ``w2_n_splits`` rows of a column tile); both powers of 2 whose product divides N / 32."""
+    N / ``w2_n_splits`` rows of a column tile); both powers of 2 whose product divides N / 32; and
+    whether W13 groups rows by expert (``w13_group_rows``: the first of up to 8 rows of an expert
+    computes them all, so a token count whose tokens share experts reads each expert's W13 once
+    per 8 rows, at the price of a scan of the routed ids in every program)."""
 
     w13_warps: int = 4
     w13_chunks: int = 4
@@ -313,6 +366,7 @@ class MarlinGroupedConfig:
     fused_combine: bool = True  # the last of a token's W2 programs on a tile combines it (one launch fewer)
     w2_row_warps: int = 1
     w2_n_splits: int = 1
+    w13_group_rows: bool = False
 
     def splits(self, hidden_size: int, intermediate_size: int) -> int:
         """W13's K splits for K = ``hidden_size``; ValueError where the config does not tile the
@@ -459,8 +513,8 @@ def _launch(x, topk_weights, topk_ids, tensors, N: int, G: int, N_p: int, scales
         x, x.stride(0), topk_ids, E, w13_qweight, w13_scales, w13_qzeros, partials, R, arrivals, arrivals.numel(),
         TOP_K=top_k, K=K, N=N, N_P=N_p, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps, SPLITS=splits,
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl,
-        ARRIVALS_PAD=triton.next_power_of_2(arrivals.numel()) if fused else 0, num_warps=config.w13_warps,
-        **w13_layout)
+        ARRIVALS_PAD=triton.next_power_of_2(arrivals.numel()) if fused else 0, GROUP_ROWS=config.w13_group_rows,
+        num_warps=config.w13_warps, **w13_layout)
     marlin_w2_kernel[(R, w2_tiles) if n_splits == 1 else (R, w2_tiles, n_splits)](
         topk_ids, E, partials, w2_qweight, w2_scales, w2_qzeros, act, row_out, R,
         topk_weights, out, out.stride(0), arrivals,
