@@ -295,7 +295,7 @@ def _coserve_from_json(c: dict, key: str = "coserve") -> CoserveTable:
 # kernels/marlin_grouped.py's launch config: counts, and whether W2 fuses the combine
 _COSERVE_COUNTS = {"w13_warps", "w13_chunks", "w2_warps"}
 _COSERVE_OPTIONAL_COUNTS = {"w2_row_warps", "w2_n_splits"}
-_COSERVE_OPTIONAL_FLAGS = {"w13_group_rows"}
+_COSERVE_OPTIONAL_FLAGS = {"w13_group_rows", "w2_group_rows"}
 
 
 def _coserve_launch_entry_ok(entry) -> bool:

@@ -196,6 +196,8 @@ def test_every_launch_config_the_tune_can_pick_round_trips_through_its_table(tmp
                                                       "fused_combine": 1}}]), "launch entries"),
     (lambda c: c.update(launch=[{"M": 4, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
                                                       "fused_combine": True, "w13_group_rows": 1}}]), "launch entries"),
+    (lambda c: c.update(launch=[{"M": 4, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
+                                                      "fused_combine": True, "w2_group_rows": "yes"}}]), "launch entries"),
     (lambda c: c.update(launch=[{"M": True, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
                                                          "fused_combine": True}}]), "launch entries"),
     (lambda c: c["coserved_us"].__setitem__(0, 0.0), "positive"),
@@ -269,9 +271,11 @@ def test_the_supported_models_row_says_where_a_shape_is_co_served():
     assert "**co-served at 1 token**" in one and "1.50x at 1 |" in one
 
 
-def _fields(w13_warps, w13_chunks, w2_warps, fused_combine=True, w2_row_warps=1, w2_n_splits=1, w13_group_rows=False):
+def _fields(w13_warps, w13_chunks, w2_warps, fused_combine=True, w2_row_warps=1, w2_n_splits=1, w13_group_rows=False,
+            w2_group_rows=False):
     return dict(w13_warps=w13_warps, w13_chunks=w13_chunks, w2_warps=w2_warps, fused_combine=fused_combine,
-                w2_row_warps=w2_row_warps, w2_n_splits=w2_n_splits, w13_group_rows=w13_group_rows)
+                w2_row_warps=w2_row_warps, w2_n_splits=w2_n_splits, w13_group_rows=w13_group_rows,
+                w2_group_rows=w2_group_rows)
 
 
 @pytest.mark.parametrize("text, fields", [
@@ -283,6 +287,7 @@ def _fields(w13_warps, w13_chunks, w2_warps, fused_combine=True, w2_row_warps=1,
     ("2x4x1r2n2s", _fields(2, 4, 1, fused_combine=False, w2_row_warps=2, w2_n_splits=2)),
     ("1x8x2g", _fields(1, 8, 2, w13_group_rows=True)),
     ("1x4x2gr2n2s", _fields(1, 4, 2, fused_combine=False, w2_row_warps=2, w2_n_splits=2, w13_group_rows=True)),
+    ("1x8x2ggn4", _fields(1, 8, 2, w2_n_splits=4, w13_group_rows=True, w2_group_rows=True)),
 ])
 def test_a_co_serving_candidate_reads_and_prints_the_same(text, fields):
     from moe_grouped_decode.benchmarking.coserve import config_text, parse_config
@@ -293,7 +298,7 @@ def test_a_co_serving_candidate_reads_and_prints_the_same(text, fields):
 
 
 @pytest.mark.parametrize("text", ["2x4", "2x4x2r", "2x4x2sr2", "a2x4x2", "2x4x2 ", "1x8x2n", "1x8x2n2r2", "1x8x2n2g",
-                                  "1x8x2gg"])
+                                  "1x8x2ggg", "1x8x2sg"])
 def test_a_malformed_co_serving_candidate_is_an_error(text):
     from moe_grouped_decode.benchmarking.coserve import parse_config
 
@@ -309,6 +314,7 @@ def test_a_malformed_co_serving_candidate_is_an_error(text):
     ((1, 8, 2, True, 1, 8), 4096, 1408, "does not tile N"),  # 44 chunks over 8 N splits
     ((1, 8, 2, True, 2, 4), 2048, 128, "does not tile N"),  # 4 chunks: 2 row warps in each of 4 splits
     ((1, 8, 2, True, 1, 3), 2048, 768, "power of 2"),  # 24 chunks would divide, a split is no arange
+    ((1, 8, 2, True, 1, 1, False, True), 2048, 768, "only where W13 does"),  # W2's rows grouped alone
 ])
 def test_a_launch_config_that_does_not_tile_the_layer_is_refused(config, K, N, message):
     from moe_grouped_decode.kernels.marlin_grouped import MarlinGroupedConfig

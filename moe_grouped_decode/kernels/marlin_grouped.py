@@ -207,11 +207,21 @@ def _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, COLUMNS:
 
 @triton.jit
 def _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N: tl.constexpr,
-                  IS_BF16: tl.constexpr, WARPS: tl.constexpr):
+                  IS_BF16: tl.constexpr, WARPS: tl.constexpr, GROUP_ROWS: tl.constexpr = False, count=1):
+    """With GROUP_ROWS, ``row`` holds lane group g's row (token column g), ``count`` the columns used."""
     k_rows = marlin_chunk_rows(c * CHUNK_ROWS, t, e)
-    act = tl.load(act_ptr + row * N + k_rows, mask=(g == 0) & (k_rows < N), other=0.0)
+    if GROUP_ROWS:
+        act = tl.load(act_ptr + row * N + k_rows, mask=(g < count) & (k_rows < N), other=0.0)
+    else:
+        act = tl.load(act_ptr + row * N + k_rows, mask=(g == 0) & (k_rows < N), other=0.0)
     d_lo, d_hi = marlin_mma_chunk(words, act, scales, zeros, IS_BF16, WARPS)
     return acc_lo + d_lo, acc_hi + d_hi
+
+
+@triton.jit
+def _group_row(members, m):
+    """members[m] for a scalar m."""
+    return tl.sum(tl.where(tl.arange(0, GROUP_ROWS_MAX) == m, members, 0))
 
 
 @triton.jit
@@ -242,11 +252,12 @@ def marlin_w2_kernel(
     WARPS: tl.constexpr, N_PAD: tl.constexpr, SCALES_GROUPED: tl.constexpr, IS_BF16: tl.constexpr,
     USE_PDL: tl.constexpr, TOP_K: tl.constexpr = 1, FUSED_COMBINE: tl.constexpr = False,
     ROW_WARPS: tl.constexpr = 1, N_SPLITS: tl.constexpr = 1, STORED_COLUMNS: tl.constexpr = 0,
-    PLAIN_ZEROS: tl.constexpr = False,
+    PLAIN_ZEROS: tl.constexpr = False, GROUP_ROWS: tl.constexpr = False,
 ):
     """row_out[split, row, cols] = (silu(gate) * up)[row, split's rows] @ W2[topk_ids[row]][split's
     rows, cols], float32. Humming's tensors: N_P their padded N, STORED_COLUMNS their padded K,
-    PLAIN_ZEROS."""
+    PLAIN_ZEROS. GROUP_ROWS: as W13's, a program takes up to GROUP_ROWS_MAX rows of its row's
+    expert, their activations, row outputs and combine arrivals."""
     COLUMNS: tl.constexpr = STORED_COLUMNS if STORED_COLUMNS > 0 else K
     # with the combine fused, W2 is the op's last launch: what follows must not start before it ends
     let_next_launch_start(USE_PDL and not FUSED_COMBINE)
@@ -270,6 +281,12 @@ def marlin_w2_kernel(
     HELD: tl.constexpr = min(ITERS, HELD_CHUNKS)
     expert = tl.load(ids_ptr + row)
     valid = (expert >= 0) & (expert < num_experts)
+    if GROUP_ROWS:
+        earlier, members, count = _expert_row_group(ids_ptr, rows, row, expert)
+        if earlier % GROUP_ROWS_MAX != 0:
+            return
+    else:
+        count = 1
     expert = tl.where(valid, expert, 0).to(tl.int64)
     LANE_WARPS: tl.constexpr = WARPS * ROW_WARPS
     warp, g, t, e = chunk_lanes(LANE_WARPS)
@@ -284,32 +301,43 @@ def marlin_w2_kernel(
         held += (_w2_chunk_weights(qweight_base, scales_base, qzeros_base, first_chunk + i * ROW_WARPS + row_warp,
                                    block, COLUMNS, G, PLAIN_ZEROS),)
     wait_for_previous_launch(USE_PDL)
-    if N_SPLITS > 1:
-        _span_activations(partials_ptr, act_ptr, row, rows, first_chunk * CHUNK_ROWS, SPLIT_CHUNKS * CHUNK_ROWS, N,
-                          SPLITS, min(N_PAD // N_SPLITS, ACT_BLOCK))
+    if GROUP_ROWS:
+        for m in range(0, count):
+            member = _group_row(members, m)
+            if N_SPLITS > 1:
+                _span_activations(partials_ptr, act_ptr, member, rows, first_chunk * CHUNK_ROWS,
+                                  SPLIT_CHUNKS * CHUNK_ROWS, N, SPLITS, min(N_PAD // N_SPLITS, ACT_BLOCK))
+            else:
+                row_activations(partials_ptr, act_ptr, member, rows, N, SPLITS, N_PAD)
+        act_row = _lane_rows(members, g)  # lane group g's token column
     else:
-        row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
+        act_row = row
+        if N_SPLITS > 1:
+            _span_activations(partials_ptr, act_ptr, row, rows, first_chunk * CHUNK_ROWS, SPLIT_CHUNKS * CHUNK_ROWS,
+                              N, SPLITS, min(N_PAD // N_SPLITS, ACT_BLOCK))
+        else:
+            row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
     tl.debug_barrier()  # every thread's act stores happen before any thread reads them back
     acc_lo = tl.zeros([32 * LANE_WARPS, 8], dtype=tl.float32)
     acc_hi = tl.zeros([32 * LANE_WARPS, 8], dtype=tl.float32)
     for i in tl.static_range(HELD):
         words, scales, zeros = held[i]
-        acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, first_chunk + i * ROW_WARPS + row_warp, words, scales, zeros,
-                                       acc_lo, acc_hi, g, t, e, N, IS_BF16, LANE_WARPS)
+        acc_lo, acc_hi = _w2_chunk_mma(act_ptr, act_row, first_chunk + i * ROW_WARPS + row_warp, words, scales,
+                                       zeros, acc_lo, acc_hi, g, t, e, N, IS_BF16, LANE_WARPS, GROUP_ROWS, count)
     if ITERS - HELD <= UNROLLED_CHUNKS:
         for i in tl.static_range(HELD, ITERS):
             c = first_chunk + i * ROW_WARPS + row_warp
             words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, COLUMNS, G,
                                                      PLAIN_ZEROS)
-            acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
-                                           IS_BF16, LANE_WARPS)
+            acc_lo, acc_hi = _w2_chunk_mma(act_ptr, act_row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
+                                           IS_BF16, LANE_WARPS, GROUP_ROWS, count)
     else:
         for i in tl.range(HELD, ITERS, loop_unroll_factor=CHUNK_LOOP_UNROLL):
             c = first_chunk + i * ROW_WARPS + row_warp
             words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, COLUMNS, G,
                                                      PLAIN_ZEROS)
-            acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
-                                           IS_BF16, LANE_WARPS)
+            acc_lo, acc_hi = _w2_chunk_mma(act_ptr, act_row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
+                                           IS_BF16, LANE_WARPS, GROUP_ROWS, count)
     if ROW_WARPS > 1:  # the chunk sequences' sums, in the compiler's fixed tree order
         acc_lo = tl.sum(tl.reshape(acc_lo, [ROW_WARPS, 32 * WARPS, 8]), axis=0)
         acc_hi = tl.sum(tl.reshape(acc_hi, [ROW_WARPS, 32 * WARPS, 8]), axis=0)
@@ -320,18 +348,35 @@ def marlin_w2_kernel(
     col = col_tile * MARLIN_TILE_COLUMNS + marlin_chunk_columns(g, e)
     keep = (t == 0) & (e % 2 == 0)
     out_row = row_out_ptr + (n_split * rows + row) * K
+    if GROUP_ROWS:  # element e of lane (g, t) is token column 2 t + e % 2: its row's output
+        keep = 2 * t + e % 2 < count
+        out_row = row_out_ptr + (n_split * rows + _lane_rows(members, 2 * t + e % 2)) * K
     tl.store(out_row + col, acc_lo, mask=keep)
     tl.store(out_row + col + 32, acc_hi, mask=keep)
     if FUSED_COMBINE:
-        token = row // TOP_K
         tl.debug_barrier()  # every thread's row_out stores happen before the release below
-        arrived = tl.atomic_add(arrivals_ptr + token * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == TOP_K * N_SPLITS - 1:
-            cols = tile * (WARPS * MARLIN_TILE_COLUMNS) + tl.arange(0, WARPS * MARLIN_TILE_COLUMNS)
-            col_ok = cols < K
-            acc = combine_sums(row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, token, cols, col_ok, TOP_K, K,
-                               rows, N_SPLITS)
-            tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+        if GROUP_ROWS:  # an arrival for each row taken, each at its own token
+            for m in range(0, count):
+                _arrive_and_combine(_group_row(members, m) // TOP_K, tile, row_out_ptr, topk_weights_ptr, ids_ptr,
+                                    num_experts, out_ptr, stride_om, arrivals_ptr, rows, K, WARPS, TOP_K, N_SPLITS)
+        else:
+            _arrive_and_combine(row // TOP_K, tile, row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, out_ptr,
+                                stride_om, arrivals_ptr, rows, K, WARPS, TOP_K, N_SPLITS)
+
+
+@triton.jit
+def _arrive_and_combine(token, tile, row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, out_ptr, stride_om,
+                        arrivals_ptr, rows, K: tl.constexpr, WARPS: tl.constexpr, TOP_K: tl.constexpr,
+                        N_SPLITS: tl.constexpr):
+    """One row's arrival at its token's column tile; the last of the token's k x N_SPLITS writes
+    the token's combined columns."""
+    arrived = tl.atomic_add(arrivals_ptr + token * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOP_K * N_SPLITS - 1:
+        cols = tile * (WARPS * MARLIN_TILE_COLUMNS) + tl.arange(0, WARPS * MARLIN_TILE_COLUMNS)
+        col_ok = cols < K
+        acc = combine_sums(row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, token, cols, col_ok, TOP_K, K,
+                           rows, N_SPLITS)
+        tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -356,9 +401,10 @@ class MarlinGroupedConfig:
     columns each; 64 x warps must divide K), its row warps per column warp (each every
     ``w2_row_warps``-th 32-row chunk of its rows) and its N splits (programs that each take
     N / ``w2_n_splits`` rows of a column tile); both powers of 2 whose product divides N / 32; and
-    whether W13 groups rows by expert (``w13_group_rows``: the first of up to 8 rows of an expert
-    computes them all, so a token count whose tokens share experts reads each expert's W13 once
-    per 8 rows, at the price of a scan of the routed ids in every program)."""
+    whether W13 and W2 group rows by expert (``w13_group_rows``, ``w2_group_rows``: the first of up
+    to 8 rows of an expert computes them all, so a token count whose tokens share experts reads
+    each expert's weights once per 8 rows, at the price of a scan of the routed ids in every
+    program)."""
 
     w13_warps: int = 4
     w13_chunks: int = 4
@@ -367,6 +413,7 @@ class MarlinGroupedConfig:
     w2_row_warps: int = 1
     w2_n_splits: int = 1
     w13_group_rows: bool = False
+    w2_group_rows: bool = False
 
     def splits(self, hidden_size: int, intermediate_size: int) -> int:
         """W13's K splits for K = ``hidden_size``; ValueError where the config does not tile the
@@ -380,6 +427,8 @@ class MarlinGroupedConfig:
                 intermediate_size % (CHUNK_ROWS.value * row_warps * n_splits):
             raise ValueError(f"config {self} does not tile N = {intermediate_size}: its W2 row warps and N splits, "
                              f"each a power of 2, take {CHUNK_ROWS.value} rows each in turn")
+        if self.w2_group_rows and not self.w13_group_rows:
+            raise ValueError(f"config {self}: W2 groups rows by expert only where W13 does")
         return hidden_size // rows
 
 
@@ -520,7 +569,8 @@ def _launch(x, topk_weights, topk_ids, tensors, N: int, G: int, N_p: int, scales
         topk_weights, out, out.stride(0), arrivals,
         K=K, N=N, N_P=N_p, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=triton.next_power_of_2(N),
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl, TOP_K=top_k, FUSED_COMBINE=fused,
-        ROW_WARPS=config.w2_row_warps, N_SPLITS=n_splits, num_warps=config.w2_warps * config.w2_row_warps,
+        ROW_WARPS=config.w2_row_warps, N_SPLITS=n_splits, GROUP_ROWS=config.w2_group_rows,
+        num_warps=config.w2_warps * config.w2_row_warps,
         **w2_layout, **launch_options(use_pdl))
     if not fused:
         marlin_combine_kernel[(M, triton.cdiv(K, COMBINE_BLOCK))](
