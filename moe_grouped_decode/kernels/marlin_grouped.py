@@ -108,9 +108,15 @@ def _expert_row_group(ids_ptr, rows, row, expert):
 
 @triton.jit
 def _lane_rows(members, n):
-    """members[n] for a 2-D index tensor ``n`` of values in [0, GROUP_ROWS_MAX)."""
+    """members[n] for a lane-index tensor ``n`` [L, 1] of values in [0, GROUP_ROWS_MAX)."""
     slot = tl.arange(0, GROUP_ROWS_MAX)
     return tl.sum(tl.where(n[:, :, None] == slot[None, None, :], members[None, None, :], 0), axis=2)
+
+
+@triton.jit
+def _output_rows(members, t, e):
+    """The row of each output element e of lane (g, t): its token column is 2 t + e % 2."""
+    return tl.where(e % 2 == 0, _lane_rows(members, 2 * t), _lane_rows(members, 2 * t + 1))
 
 
 @triton.jit
@@ -189,7 +195,7 @@ def marlin_w13_kernel(
     out_base = partials_ptr + (split * rows + row) * (2 * N) + half * N
     if GROUP_ROWS:  # element e of lane (g, t) is token column 2 t + e % 2: its row's partials
         keep = 2 * t + e % 2 < count
-        out_base = partials_ptr + (split * rows + _lane_rows(members, 2 * t + e % 2)) * (2 * N) + half * N
+        out_base = partials_ptr + (split * rows + _output_rows(members, t, e)) * (2 * N) + half * N
     tl.store(out_base + col, acc_lo, mask=keep & (col < N))
     tl.store(out_base + col + 32, acc_hi, mask=keep & (col + 32 < N))
 
@@ -350,7 +356,7 @@ def marlin_w2_kernel(
     out_row = row_out_ptr + (n_split * rows + row) * K
     if GROUP_ROWS:  # element e of lane (g, t) is token column 2 t + e % 2: its row's output
         keep = 2 * t + e % 2 < count
-        out_row = row_out_ptr + (n_split * rows + _lane_rows(members, 2 * t + e % 2)) * K
+        out_row = row_out_ptr + (n_split * rows + _output_rows(members, t, e)) * K
     tl.store(out_row + col, acc_lo, mask=keep)
     tl.store(out_row + col + 32, acc_hi, mask=keep)
     if FUSED_COMBINE:
