@@ -132,11 +132,38 @@ def main() -> None:
         print(f"FAIL M = 0 gives {tuple(empty.shape)}", flush=True)
         sys.exit(1)
     print("ok   M = 0: an empty [0, K] output", flush=True)
+    check_expert_groups(gen)
     check_humming(gen)
     check_coserved_op(gen)
     check_humming_coserved_op(gen)
     check_coserve_measurement()
     print("all interpreter marlin checks passed", flush=True)
+
+
+def check_expert_groups(gen) -> None:
+    """The groups table against a plain reading of its rule: each id's rows in row order, 8 at a
+    time; a group's first row holds its size and rows, every other row 0."""
+    from moe_grouped_decode.kernels.marlin_grouped import GROUP_ROWS_MAX, GROUP_WORDS, expert_groups_kernel
+
+    cases = {"random, 3 experts": torch.randint(0, 3, (150,), generator=gen, dtype=torch.int32),
+             "one expert": torch.full((20,), 5, dtype=torch.int32),
+             "with -1": torch.randint(-1, 2, (70,), generator=gen, dtype=torch.int32),
+             "distinct": torch.randperm(40, generator=gen).to(torch.int32),
+             "one row": torch.zeros(1, dtype=torch.int32)}
+    for name, ids in cases.items():
+        R = ids.numel()
+        groups = torch.full((R, GROUP_WORDS), -7, dtype=torch.int32)
+        expert_groups_kernel[(R,)](ids, R, groups, num_warps=1)
+        want = torch.zeros(R, GROUP_WORDS, dtype=torch.int32)
+        for value in ids.unique().tolist():
+            rows = (ids == value).nonzero().flatten().tolist()
+            for i in range(0, len(rows), GROUP_ROWS_MAX.value):
+                group = rows[i:i + GROUP_ROWS_MAX.value]
+                want[group[0], 0] = len(group)
+                want[group[0], 1:1 + len(group)] = torch.tensor(group, dtype=torch.int32)
+        if not torch.equal(groups, want):
+            fail(f"groups table, {name}: {groups.tolist()} != {want.tolist()}")
+    print(f"ok   groups table: {', '.join(cases)}", flush=True)
 
 
 def check_grouping_keeps_bits(name, out, x, tw, ids, marlin, N, G, config) -> None:

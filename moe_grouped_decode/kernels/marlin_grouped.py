@@ -9,6 +9,9 @@ The tensors are those vLLM's MARLIN MoE backend holds after its load step
 
 Programs::
 
+    groups (with ``w13_group_rows`` / ``w2_group_rows``): program row -> groups[row] (the size of
+         the group of up to 8 rows of its id that it heads, 0 where it heads none, then their
+         rows); W13 and W2 run a group's programs only, its rows as the mma's token columns
     W13: program 0 zeroes the fused combine's arrival counters (ARRIVALS_PAD > 0: W2 fuses it);
          program 1 + (row * SPLITS + s) * TILES + tile, TILES = ceil(N / 64) tiles of gate and as
          many of up (a tile of padding only is never read; the padded columns of the last tile
@@ -77,46 +80,52 @@ def _zero_word(word, PLAIN_ZEROS: tl.constexpr):
         return word
 
 
-# rows of one expert a W13 program takes with GROUP_ROWS: the mma's 8 token columns
+# rows of one expert a program takes with GROUP_ROWS: the mma's 8 token columns
 GROUP_ROWS_MAX = tl.constexpr(8)
+GROUP_WORDS = tl.constexpr(9)  # a row's entry in the groups table: its group's size, then its rows
 _ID_SCAN = tl.constexpr(64)  # routed ids read per step of the scan for a row's fellow rows
 
 
 @triton.jit
-def _expert_row_group(ids_ptr, rows, row, expert):
-    """The rows routed to ``expert`` (``row``'s id) taken GROUP_ROWS_MAX at a time in row order:
-    (how many of the expert's rows come before ``row``: a multiple of GROUP_ROWS_MAX where ``row``
-    is the first of its group; the group's rows [GROUP_ROWS_MAX], 0 past its end; how many it has). Only a group's first row's programs compute; the rest have nothing to
-    do, so an expert's weights are read once per group instead of once per row."""
+def expert_groups_kernel(ids_ptr, rows, groups_ptr):
+    """groups[row] = (n, its group's rows [GROUP_ROWS_MAX]) for the routed row ``program_id``: the
+    rows of its id are taken GROUP_ROWS_MAX at a time in row order, and a group's first row gets
+    its size n and its rows (0 past them); every other row n = 0, as it has nothing to do. A
+    launch of its own before W13 (R programs of one warp), so that W13's and W2's many programs a
+    row each read their row's entry instead of scanning the ids."""
+    row = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + row)
     offsets = tl.arange(0, _ID_SCAN)
-    earlier = 0  # rows of the expert before ``row``
+    earlier = 0  # rows of the same id before ``row``
     for r0 in range(0, row, _ID_SCAN):
         r = r0 + offsets
         earlier += tl.sum(((r < row) & (tl.load(ids_ptr + r, mask=r < row, other=-1) == expert)).to(tl.int32))
     slot = tl.arange(0, GROUP_ROWS_MAX)
-    members = tl.zeros([GROUP_ROWS_MAX], dtype=tl.int64)
-    count = 0  # the expert's rows from ``row`` on
+    members = tl.zeros([GROUP_ROWS_MAX], dtype=tl.int32)
+    count = 0  # rows of the same id from ``row`` on
     for r0 in range(row, rows, _ID_SCAN):
         r = r0 + offsets
         same = (r < rows) & (tl.load(ids_ptr + r, mask=r < rows, other=-1) == expert)
         rank = count + tl.cumsum(same.to(tl.int32), axis=0) - 1  # among the rows from ``row`` on
         taken = same[None, :] & (rank[None, :] == slot[:, None])
-        members += tl.sum(tl.where(taken, r[None, :].to(tl.int64), 0), axis=1)
+        members += tl.sum(tl.where(taken, r[None, :].to(tl.int32), 0), axis=1)
         count += tl.sum(same.to(tl.int32))
-    return earlier, members, tl.minimum(count, GROUP_ROWS_MAX)
+    first = earlier % GROUP_ROWS_MAX == 0
+    tl.store(groups_ptr + row * GROUP_WORDS, tl.where(first, tl.minimum(count, GROUP_ROWS_MAX), 0))
+    tl.store(groups_ptr + row * GROUP_WORDS + 1 + slot, tl.where(first, members, 0))
 
 
 @triton.jit
-def _lane_rows(members, n):
-    """members[n] for a lane-index tensor ``n`` [L, 1] of values in [0, GROUP_ROWS_MAX)."""
-    slot = tl.arange(0, GROUP_ROWS_MAX)
-    return tl.sum(tl.where(n[:, :, None] == slot[None, None, :], members[None, None, :], 0), axis=2)
+def _group_rows(groups_ptr, row, n, count):
+    """Rows n (a lane-index tensor) of ``row``'s group, int64 (0 at n >= count)."""
+    return tl.load(groups_ptr + row * GROUP_WORDS + 1 + n, mask=n < count, other=0).to(tl.int64)
 
 
 @triton.jit
-def _output_rows(members, t, e):
+def _output_rows(groups_ptr, row, t, e, count):
     """The row of each output element e of lane (g, t): its token column is 2 t + e % 2."""
-    return tl.where(e % 2 == 0, _lane_rows(members, 2 * t), _lane_rows(members, 2 * t + 1))
+    return tl.where(e % 2 == 0, _group_rows(groups_ptr, row, 2 * t, count),
+                    _group_rows(groups_ptr, row, 2 * t + 1, count))
 
 
 @triton.jit
@@ -128,14 +137,14 @@ def marlin_w13_kernel(
     CHUNKS: tl.constexpr, WARPS: tl.constexpr, SPLITS: tl.constexpr, SCALES_GROUPED: tl.constexpr,
     IS_BF16: tl.constexpr, USE_PDL: tl.constexpr, ARRIVALS_PAD: tl.constexpr = 0,
     STORED_COLUMNS: tl.constexpr = 0, STORED_ROWS: tl.constexpr = 0, UP_TILE: tl.constexpr = 0,
-    PLAIN_ZEROS: tl.constexpr = False, GROUP_ROWS: tl.constexpr = False,
+    PLAIN_ZEROS: tl.constexpr = False, GROUP_ROWS: tl.constexpr = False, groups_ptr=None,
 ):
     """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols].
 
     Marlin's tensors by default; Humming's (``humming_layout``) with STORED_COLUMNS / STORED_ROWS
     (the padded [K, 2N] the tensors hold), UP_TILE (up's first tile) and PLAIN_ZEROS. GROUP_ROWS:
     a row's programs take up to GROUP_ROWS_MAX rows of its expert as the mma's token columns
-    (``_expert_row_group``); each row's partials are the same bits either way."""
+    (``expert_groups_kernel``'s table); each row's partials are the same bits either way."""
     let_next_launch_start(USE_PDL)
     HALF_TILES: tl.constexpr = (N + MARLIN_TILE_COLUMNS - 1) // MARLIN_TILE_COLUMNS  # real tiles of gate (of up)
     TILES: tl.constexpr = 2 * HALF_TILES
@@ -159,14 +168,14 @@ def marlin_w13_kernel(
     expert = tl.load(ids_ptr + row)
     valid = (expert >= 0) & (expert < num_experts)
     if GROUP_ROWS:
-        earlier, members, count = _expert_row_group(ids_ptr, rows, row, expert)
-        if earlier % GROUP_ROWS_MAX != 0:
+        count = tl.load(groups_ptr + row * GROUP_WORDS)
+        if count == 0:
             return
     expert = tl.where(valid, expert, 0).to(tl.int64)
     token = (row // TOP_K).to(tl.int64)
     warp, g, t, e = chunk_lanes(WARPS)
     if GROUP_ROWS:
-        token = _lane_rows(members, g) // TOP_K  # lane group g holds token column g
+        token = _group_rows(groups_ptr, row, g, count) // TOP_K  # lane group g holds token column g
     block, word = marlin_word_offsets(t, g, e)
     qweight_base = qweight_ptr + expert * (K_ROWS // 16 * ROW_WORDS) + padded_tile * MARLIN_TILE_WORDS + word
     scales_base = scales_ptr + expert * (K_ROWS // G * COLUMNS) + padded_tile * MARLIN_TILE_COLUMNS + _scale_columns(g, e, SCALES_GROUPED)
@@ -195,7 +204,7 @@ def marlin_w13_kernel(
     out_base = partials_ptr + (split * rows + row) * (2 * N) + half * N
     if GROUP_ROWS:  # element e of lane (g, t) is token column 2 t + e % 2: its row's partials
         keep = 2 * t + e % 2 < count
-        out_base = partials_ptr + (split * rows + _output_rows(members, t, e)) * (2 * N) + half * N
+        out_base = partials_ptr + (split * rows + _output_rows(groups_ptr, row, t, e, count)) * (2 * N) + half * N
     tl.store(out_base + col, acc_lo, mask=keep & (col < N))
     tl.store(out_base + col + 32, acc_hi, mask=keep & (col + 32 < N))
 
@@ -225,9 +234,9 @@ def _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e
 
 
 @triton.jit
-def _group_row(members, m):
-    """members[m] for a scalar m."""
-    return tl.sum(tl.where(tl.arange(0, GROUP_ROWS_MAX) == m, members, 0))
+def _group_row(groups_ptr, row, m):
+    """Row m (a scalar) of ``row``'s group."""
+    return tl.load(groups_ptr + row * GROUP_WORDS + 1 + m).to(tl.int64)
 
 
 @triton.jit
@@ -258,7 +267,7 @@ def marlin_w2_kernel(
     WARPS: tl.constexpr, N_PAD: tl.constexpr, SCALES_GROUPED: tl.constexpr, IS_BF16: tl.constexpr,
     USE_PDL: tl.constexpr, TOP_K: tl.constexpr = 1, FUSED_COMBINE: tl.constexpr = False,
     ROW_WARPS: tl.constexpr = 1, N_SPLITS: tl.constexpr = 1, STORED_COLUMNS: tl.constexpr = 0,
-    PLAIN_ZEROS: tl.constexpr = False, GROUP_ROWS: tl.constexpr = False,
+    PLAIN_ZEROS: tl.constexpr = False, GROUP_ROWS: tl.constexpr = False, groups_ptr=None,
 ):
     """row_out[split, row, cols] = (silu(gate) * up)[row, split's rows] @ W2[topk_ids[row]][split's
     rows, cols], float32. Humming's tensors: N_P their padded N, STORED_COLUMNS their padded K,
@@ -288,8 +297,8 @@ def marlin_w2_kernel(
     expert = tl.load(ids_ptr + row)
     valid = (expert >= 0) & (expert < num_experts)
     if GROUP_ROWS:
-        earlier, members, count = _expert_row_group(ids_ptr, rows, row, expert)
-        if earlier % GROUP_ROWS_MAX != 0:
+        count = tl.load(groups_ptr + row * GROUP_WORDS)
+        if count == 0:
             return
     else:
         count = 1
@@ -309,13 +318,13 @@ def marlin_w2_kernel(
     wait_for_previous_launch(USE_PDL)
     if GROUP_ROWS:
         for m in range(0, count):
-            member = _group_row(members, m)
+            member = _group_row(groups_ptr, row, m)
             if N_SPLITS > 1:
                 _span_activations(partials_ptr, act_ptr, member, rows, first_chunk * CHUNK_ROWS,
                                   SPLIT_CHUNKS * CHUNK_ROWS, N, SPLITS, min(N_PAD // N_SPLITS, ACT_BLOCK))
             else:
                 row_activations(partials_ptr, act_ptr, member, rows, N, SPLITS, N_PAD)
-        act_row = _lane_rows(members, g)  # lane group g's token column
+        act_row = _group_rows(groups_ptr, row, g, count)  # lane group g's token column
     else:
         act_row = row
         if N_SPLITS > 1:
@@ -356,14 +365,14 @@ def marlin_w2_kernel(
     out_row = row_out_ptr + (n_split * rows + row) * K
     if GROUP_ROWS:  # element e of lane (g, t) is token column 2 t + e % 2: its row's output
         keep = 2 * t + e % 2 < count
-        out_row = row_out_ptr + (n_split * rows + _output_rows(members, t, e)) * K
+        out_row = row_out_ptr + (n_split * rows + _output_rows(groups_ptr, row, t, e, count)) * K
     tl.store(out_row + col, acc_lo, mask=keep)
     tl.store(out_row + col + 32, acc_hi, mask=keep)
     if FUSED_COMBINE:
         tl.debug_barrier()  # every thread's row_out stores happen before the release below
         if GROUP_ROWS:  # an arrival for each row taken, each at its own token
             for m in range(0, count):
-                _arrive_and_combine(_group_row(members, m) // TOP_K, tile, row_out_ptr, topk_weights_ptr, ids_ptr,
+                _arrive_and_combine(_group_row(groups_ptr, row, m) // TOP_K, tile, row_out_ptr, topk_weights_ptr, ids_ptr,
                                     num_experts, out_ptr, stride_om, arrivals_ptr, rows, K, WARPS, TOP_K, N_SPLITS)
         else:
             _arrive_and_combine(row // TOP_K, tile, row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, out_ptr,
@@ -564,19 +573,24 @@ def _launch(x, topk_weights, topk_ids, tensors, N: int, G: int, N_p: int, scales
     w2_tiles = K // (MARLIN_TILE_COLUMNS.value * config.w2_warps)
     fused = config.fused_combine
     arrivals = torch.empty(M * w2_tiles if fused else 1, dtype=torch.int32, device=dev)
+    grouped = {}
+    if config.w13_group_rows or config.w2_group_rows:
+        groups = torch.empty(R, GROUP_WORDS.value, dtype=torch.int32, device=dev)
+        expert_groups_kernel[(R,)](topk_ids, R, groups, num_warps=1)
+        grouped = dict(groups_ptr=groups)
     marlin_w13_kernel[(int(fused) + R * splits * tiles,)](
         x, x.stride(0), topk_ids, E, w13_qweight, w13_scales, w13_qzeros, partials, R, arrivals, arrivals.numel(),
         TOP_K=top_k, K=K, N=N, N_P=N_p, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps, SPLITS=splits,
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl,
         ARRIVALS_PAD=triton.next_power_of_2(arrivals.numel()) if fused else 0, GROUP_ROWS=config.w13_group_rows,
-        num_warps=config.w13_warps, **w13_layout)
+        num_warps=config.w13_warps, **w13_layout, **(grouped if config.w13_group_rows else {}))
     marlin_w2_kernel[(R, w2_tiles) if n_splits == 1 else (R, w2_tiles, n_splits)](
         topk_ids, E, partials, w2_qweight, w2_scales, w2_qzeros, act, row_out, R,
         topk_weights, out, out.stride(0), arrivals,
         K=K, N=N, N_P=N_p, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=triton.next_power_of_2(N),
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl, TOP_K=top_k, FUSED_COMBINE=fused,
         ROW_WARPS=config.w2_row_warps, N_SPLITS=n_splits, GROUP_ROWS=config.w2_group_rows,
-        num_warps=config.w2_warps * config.w2_row_warps,
+        num_warps=config.w2_warps * config.w2_row_warps, **(grouped if config.w2_group_rows else {}),
         **w2_layout, **launch_options(use_pdl))
     if not fused:
         marlin_combine_kernel[(M, triton.cdiv(K, COMBINE_BLOCK))](
