@@ -54,26 +54,19 @@ def main(argv=None) -> int:
         splits = config.splits(K, N)
         shape = dict(K=K, N=N, N_P=N_p, G=G, SCALES_GROUPED=vllm_scales_grouped(G, N), IS_BF16=False, USE_PDL=True)
         w13 = sass_stats.compile_kernel(
-            marlin_w13_kernel, dict(shape, WARPS=w13_warps, TOP_K=k, CHUNKS=chunks, SPLITS=splits, ARRIVALS_PAD=64,
-                                    **grouping(config.w13_group_rows)),
+            marlin_w13_kernel, dict(shape, WARPS=w13_warps, TOP_K=k, CHUNKS=chunks, SPLITS=splits, ARRIVALS_PAD=64),
             dict(x_ptr="*fp16", ids_ptr="*i32", qweight_ptr="*i32", scales_ptr="*fp16", qzeros_ptr="*i32",
-                 partials_ptr="*fp32", arrivals_ptr="*i32", groups_ptr="*i32"), w13_warps, dict(stride_xm=K))
+                 partials_ptr="*fp32", arrivals_ptr="*i32"), w13_warps, dict(stride_xm=K))
         sass_stats.stats(f"Marlin w13 {text} ({w13_warps} warps)", w13, 64 * (K // splits))
         w2 = sass_stats.compile_kernel(
             marlin_w2_kernel, dict(shape, WARPS=w2_warps, SPLITS=splits, N_PAD=1 << (N - 1).bit_length(), TOP_K=k,
                                    FUSED_COMBINE=config.fused_combine, ROW_WARPS=row_warps,
-                                   N_SPLITS=config.w2_n_splits, **grouping(config.w2_group_rows)),
+                                   N_SPLITS=config.w2_n_splits),
             dict(ids_ptr="*i32", partials_ptr="*fp32", qweight_ptr="*i32", scales_ptr="*fp16", qzeros_ptr="*i32",
-                 act_ptr="*fp16", row_out_ptr="*fp32", out_ptr="*fp16", topk_weights_ptr="*fp32", arrivals_ptr="*i32",
-                 groups_ptr="*i32"),
+                 act_ptr="*fp16", row_out_ptr="*fp32", out_ptr="*fp16", topk_weights_ptr="*fp32", arrivals_ptr="*i32"),
             w2_warps * row_warps, dict(stride_om=K))
         sass_stats.stats(f"Marlin w2 {text} ({w2_warps * row_warps} warps)", w2, N // config.w2_n_splits * 64 * w2_warps)
     return 0
-
-
-def grouping(grouped: bool) -> dict:
-    """The constexprs of rows grouped by expert, or of rows alone (no groups table: None, as launched)."""
-    return dict(GROUP_ROWS=True) if grouped else dict(GROUP_ROWS=False, groups_ptr=None)
 
 
 if __name__ == "__main__":

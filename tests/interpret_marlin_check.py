@@ -70,13 +70,6 @@ CASES = [
     (4, 3, 192, 160, 32, 5, "single_hot", F16, (1, 2, 1, False)),
     (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False)),
     (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False, 1, 4)),  # over four N splits, N == G
-    # rows grouped by expert (the first of up to 8 rows of an expert computes them all): W13's, then
-    # W13's and W2's (their row outputs and, fused, each row's arrival at its token)
-    (4, 3, 192, 160, 32, 10, "single_hot", F16, (1, 2, 1, True, 1, 1, True, True)),  # 10 rows an expert: 8 + 2
-    (4, 2, 128, 64, 32, 7, "round_robin", BF16, (2, 2, 2, True, 1, 1, True)),  # 3-4 rows an expert, two warps
-    (4, 2, 256, 128, 64, 9, "invalid", F16, (1, 8, 2, True, 1, 2, True, True)),  # an id of -1; W2 in N splits
-    (4, 2, 256, 192, 64, 6, "round_robin", BF16, (2, 1, 2, True, 2, 1, True, True)),  # W2's row warps
-    (2, 2, 128, 64, 32, 40, "random", F16, (1, 1, 1, False, 1, 1, True, True)),  # 80 rows: the scan's two steps
 ]
 
 HUMMING_CASES = [
@@ -85,7 +78,6 @@ HUMMING_CASES = [
     (3, 3, 384, 64, 64, 4, "round_robin", BF16, (1, 4, 2)),  # W13's columns, W2's rows and columns
     (2, 2, 320, 192, 64, 2, "invalid", F16, (1, 1, 1, True, 1, 2)),  # W13's rows too; W2 in N splits
     (2, 1, 128, 768, 128, 2, "random", BF16, (1, 4, 1, False, 1, 2)),  # the combine on its own
-    (4, 2, 256, 128, 32, 6, "round_robin", F16, (1, 8, 1, True, 1, 1, True, True)),  # rows grouped by expert
 ]
 
 
@@ -121,8 +113,6 @@ def main() -> None:
         name = (f"marlin grouped E={E} k={k} K={K} N={N} (N_p={marlin.padded_intermediate_size}) G={G} M={M} "
                 f"{pattern} {dtype} scales_grouped={marlin.scales_grouped} config={config}")
         check(name, out, reference_moe(x, tw, ids, awq), dtype)
-        if config[6:7] == (True,):
-            check_grouping_keeps_bits(name, out, x, tw, ids, marlin, N, G, config)
     # no tokens: an empty output, nothing launched (the fused combine's W13 has an extra program)
     awq = synthetic_moe_weights(4, 128, 64, 32, seed=1)
     marlin = awq_to_marlin(awq)
@@ -132,50 +122,11 @@ def main() -> None:
         print(f"FAIL M = 0 gives {tuple(empty.shape)}", flush=True)
         sys.exit(1)
     print("ok   M = 0: an empty [0, K] output", flush=True)
-    check_expert_groups(gen)
     check_humming(gen)
     check_coserved_op(gen)
     check_humming_coserved_op(gen)
     check_coserve_measurement()
     print("all interpreter marlin checks passed", flush=True)
-
-
-def check_expert_groups(gen) -> None:
-    """The groups table against a plain reading of its rule: each id's rows in row order, 8 at a
-    time; a group's first row holds its size and rows, every other row 0."""
-    from moe_grouped_decode.kernels.marlin_grouped import GROUP_ROWS_MAX, GROUP_WORDS, expert_groups_kernel
-
-    cases = {"random, 3 experts": torch.randint(0, 3, (150,), generator=gen, dtype=torch.int32),
-             "one expert": torch.full((20,), 5, dtype=torch.int32),
-             "with -1": torch.randint(-1, 2, (70,), generator=gen, dtype=torch.int32),
-             "distinct": torch.randperm(40, generator=gen).to(torch.int32),
-             "one row": torch.zeros(1, dtype=torch.int32)}
-    for name, ids in cases.items():
-        R = ids.numel()
-        groups = torch.full((R, GROUP_WORDS), -7, dtype=torch.int32)
-        expert_groups_kernel[(R,)](ids, R, groups, num_warps=1)
-        want = torch.zeros(R, GROUP_WORDS, dtype=torch.int32)
-        for value in ids.unique().tolist():
-            rows = (ids == value).nonzero().flatten().tolist()
-            for i in range(0, len(rows), GROUP_ROWS_MAX.value):
-                group = rows[i:i + GROUP_ROWS_MAX.value]
-                want[group[0], 0] = len(group)
-                want[group[0], 1:1 + len(group)] = torch.tensor(group, dtype=torch.int32)
-        if not torch.equal(groups, want):
-            fail(f"groups table, {name}: {groups.tolist()} != {want.tolist()}")
-    print(f"ok   groups table: {', '.join(cases)}", flush=True)
-
-
-def check_grouping_keeps_bits(name, out, x, tw, ids, marlin, N, G, config) -> None:
-    """Rows grouped by expert get the bits they get on their own (each token column of the mma is its
-    own sum), and the case's routing does share experts."""
-    shared = ids.flatten().unique(return_counts=True)[1].max().item()
-    alone = torch.full_like(out, float("nan"))
-    launch_marlin_grouped(x, tw, ids, *marlin.tensors(), N, G, marlin.scales_grouped,
-                          MarlinGroupedConfig(*config[:6]), out=alone)
-    if shared < 2 or not torch.equal(out, alone):
-        fail(f"{name}: rows grouped by expert (up to {shared} rows an expert) differ from rows alone")
-    print(f"ok   {name}: the same bits with rows alone (up to {shared} rows an expert)", flush=True)
 
 
 def fail(message: str) -> None:
@@ -324,10 +275,8 @@ def check_coserve_measurement() -> None:
         for i in range(calls):
             step(i)
         clocked.append(key)
-        # 2x4x2 the faster at one and two tokens, 4x2x1 at three but for W13's rows grouped by expert;
-        # the winner's second timing 10% slower
-        us = {("2x4x2", 3): 7.0, ("4x2x1", 3): 6.0, ("1x4x2g", 3): 5.0}.get(
-            (key[2], key[1]), {"4x2x1": 5.0, "2x4x2": 4.0, "1x4x2g": 8.0}[key[2]])
+        # 2x4x2 the faster at one and two tokens, 4x2x1 at three; the winner's second timing 10% slower
+        us = {("2x4x2", 3): 7.0, ("4x2x1", 3): 6.0}.get((key[2], key[1]), {"4x2x1": 5.0, "2x4x2": 4.0}[key[2]])
         return us * 1.1 if key[-1] == "again" else us
 
     def vllm_timer(inputs):
@@ -335,23 +284,20 @@ def check_coserve_measurement() -> None:
 
     logged = []
     measure = tune.Measurement(spec, layers, clock, vllm_timer, torch.device("cpu"), large_layers=1)
-    table = measure_coserve(measure, (1, 2, 3), candidates=("4x2x1", "2x4x2", "4x4x2", "2x4x2r4", "1x4x2g"),
+    table = measure_coserve(measure, (1, 2, 3), candidates=("4x2x1", "2x4x2", "4x4x2", "2x4x2r4"),
                             log=logged.append, generator="interpret")
     if not any("4x4x2" in line and "does not tile K = 256" in line for line in logged):
         fail(f"a candidate that cannot tile K was not said: {logged}")
     if not any("2x4x2r4" in line and "does not tile N = 64" in line for line in logged):
         fail(f"a candidate that cannot tile N was not said: {logged}")
     again = [key for key in clocked if key[-1] == "again"]
-    # a config grouping W13's rows by expert is not timed at one token (its k experts are distinct)
-    if sorted({key[2] for key in clocked}) != ["1x4x2g", "2x4x2", "4x2x1"] or len(clocked) != 11 or [
-            (key[1], key[2]) for key in again] != [(1, "2x4x2"), (2, "2x4x2"), (3, "1x4x2g")] or \
-            ("coserve", 1, "1x4x2g") in clocked:
+    if sorted({key[2] for key in clocked}) != ["2x4x2", "4x2x1"] or len(clocked) != 9 or [
+            (key[1], key[2]) for key in again] != [(1, "2x4x2"), (2, "2x4x2"), (3, "4x2x1")]:
         fail(f"timed {clocked}")
-    launch = [(e["M"], e["config"]["w13_warps"], e["config"]["w13_chunks"], e["config"]["w13_group_rows"])
-              for e in table.launch]
+    launch = [(e["M"], e["config"]["w13_warps"], e["config"]["w13_chunks"]) for e in table.launch]
     # the table holds the winners' second timings, not the first ones the choice was made on
-    if (len(table.coserved_us) != 3 or any(abs(a - b) > 1e-9 for a, b in zip(table.coserved_us, (4.4, 4.4, 5.5)))
-            or launch != [(2, 2, 4, False), (3, 1, 4, True)]):
+    if (len(table.coserved_us) != 3 or any(abs(a - b) > 1e-9 for a, b in zip(table.coserved_us, (4.4, 4.4, 6.6)))
+            or launch != [(2, 2, 4), (3, 4, 2)]):
         fail(f"co-serving table {table}")
     if table.vllm_us != {"marlin": (9.0, 9.0, 9.0), "humming": (None, None, None)} or not any(
             "humming: not installed here" in line for line in logged):

@@ -83,50 +83,6 @@ def test_marlin_grouped_matches_reference(layer, M, config):
     assert torch.equal(replayed, out)
 
 
-@pytest.mark.parametrize("M, routing", [(3, "random"), (16, "random"), (12, "same experts")])
-@pytest.mark.parametrize("config", [MarlinGroupedConfig(1, 8, 2, w13_group_rows=True),
-                                    MarlinGroupedConfig(1, 8, 2, w2_n_splits=2, w13_group_rows=True,
-                                                        w2_group_rows=True),
-                                    MarlinGroupedConfig(2, 4, 2, fused_combine=False, w2_row_warps=2,
-                                                        w13_group_rows=True, w2_group_rows=True)], ids=str)
-def test_rows_grouped_by_expert_get_their_own_bits(layer, M, routing, config):
-    """Rows grouped by expert, W13's and W2's (up to 8 an expert a program; with every token on the
-    same k experts, groups of 8 and 4) against the float64 reference, bit for bit the rows computed
-    alone, and in a CUDA graph."""
-    import dataclasses
-
-    awq, tensors, grouped, (E, k, K, N, G), dtype = layer
-    gen = torch.Generator().manual_seed(M + 10 * config.w13_warps)
-    x = torch.randn(M, K, generator=gen).to(dtype)
-    if routing == "random":  # 16 experts: tokens share several
-        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
-    else:
-        ids = torch.randperm(E, generator=gen)[:k].repeat(M, 1).to(torch.int32)
-    assert ids.flatten().unique(return_counts=True)[1].max() > 1
-    tw = torch.rand(M, k, generator=gen)
-    use_pdl = torch.cuda.get_device_capability()[0] >= 9
-    args = (x.cuda(), tw.cuda(), ids.cuda(), *tensors, N, G, grouped)
-    out = torch.full((M, K), float("nan"), dtype=dtype, device="cuda")
-    if N % (32 * config.w2_n_splits * config.w2_row_warps):  # qwen3.8's N = 160: five chunks
-        with pytest.raises(ValueError, match="does not tile N"):
-            launch_marlin_grouped(*args, config, use_pdl, out=out)
-        return
-    launch_marlin_grouped(*args, config, use_pdl, out=out)
-    stats = error_stats(out.cpu(), reference_moe(x, tw, ids, awq))
-    assert not stats.nan and stats.scaled_max_abs <= BOUND[dtype], stats
-    alone = torch.full_like(out, float("nan"))
-    launch_marlin_grouped(*args, dataclasses.replace(config, w13_group_rows=False, w2_group_rows=False), use_pdl,
-                          out=alone)
-    assert torch.equal(out, alone)
-    replayed = torch.full_like(out, float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch_marlin_grouped(*args, config, use_pdl, out=replayed)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(replayed, out)
-
-
 @pytest.mark.parametrize("M", [1, 5])
 def test_the_co_served_op_matches_reference_and_replays_in_a_graph(layer, M):
     """The op the co-served method calls (its config from the tables), eager and inside a CUDA

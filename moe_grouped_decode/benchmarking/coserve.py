@@ -34,11 +34,9 @@ COSERVE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 # row-warp and N-split configs are there for one to few tokens, where W2 has only R x K / 128
 # programs, each walking all of N in turn (a split that does not tile a shape's N is skipped); the
 # one-warp W13s add their warps' partials in registers, not through shared memory as two or more
-# warps do; "g" after the warps groups W13's rows by expert, "gg" W13's and W2's (from two tokens
-# on: one token's k experts are distinct, so at one token grouping only adds the scan of the ids)
+# warps do
 COSERVE_CANDIDATES = ("4x4x2", "4x2x1", "4x4x1", "4x2x2", "8x2x2", "2x4x2", "4x4x4", "4x2x1s", "2x4x2r2", "2x4x2r4",
-                      "2x4x1r4", "4x4x1r4", "1x8x2", "1x4x2", "1x8x2n2", "1x8x2n4", "1x8x2n8", "1x8x2g", "1x8x2gn2",
-                      "1x8x2gn4", "1x8x2gg", "1x8x2ggn2", "1x8x2ggn4")
+                      "2x4x1r4", "4x4x1r4", "1x8x2", "1x4x2", "1x8x2n2", "1x8x2n4", "1x8x2n8")
 # the co-served kernel's output against the float64 reference, max |diff| / max |reference|: the
 # bounds the GPU tests hold the plugin's ops to (tests/test_cuda_ops.py)
 SCALED_DIFF_BOUND = {"fp16": 2e-3, "bf16": 16e-3}
@@ -46,7 +44,7 @@ SCALED_DIFF_BOUND = {"fp16": 2e-3, "bf16": 16e-3}
 # window needs tables.COSERVE_MARGIN by the step's own timing of vLLM, and two timings of vLLM's
 # kernels in one process (or two runs on one GPU) differ by far less than this gap
 COSERVE_STOP_BELOW = 0.85
-_CONFIG_TEXT = re.compile(r"(\d+)x(\d+)x(\d+)(g{0,2})(?:r(\d+))?(?:n(\d+))?(s?)")
+_CONFIG_TEXT = re.compile(r"(\d+)x(\d+)x(\d+)(?:r(\d+))?(?:n(\d+))?(s?)")
 
 
 def parse_config(text: str):
@@ -55,21 +53,18 @@ def parse_config(text: str):
 
     match = _CONFIG_TEXT.fullmatch(text)
     if match is None:
-        raise ValueError(f"co-serving config {text!r}: expected W13WARPSxCHUNKSxW2WARPS[g|gg][rROWWARPS][nNSPLITS][s], "
-                         "e.g. 2x4x2r4 or 1x8x2ggn4")
-    w13_warps, w13_chunks, w2_warps, grouped, row_warps, n_splits, separate = match.groups()
+        raise ValueError(f"co-serving config {text!r}: expected W13WARPSxCHUNKSxW2WARPS[rROWWARPS][nNSPLITS][s], "
+                         "e.g. 2x4x2r4 or 1x8x2n4")
+    w13_warps, w13_chunks, w2_warps, row_warps, n_splits, separate = match.groups()
     return MarlinGroupedConfig(int(w13_warps), int(w13_chunks), int(w2_warps), fused_combine=not separate,
-                               w2_row_warps=int(row_warps or 1), w2_n_splits=int(n_splits or 1),
-                               w13_group_rows=bool(grouped), w2_group_rows=grouped == "gg")
+                               w2_row_warps=int(row_warps or 1), w2_n_splits=int(n_splits or 1))
 
 
 def config_text(fields: dict) -> str:
     """A launch-table entry's config fields as ``parse_config`` reads them."""
     text = "x".join(str(fields.get(f, "?")) for f in ("w13_warps", "w13_chunks", "w2_warps"))
     row_warps, n_splits = fields.get("w2_row_warps", 1), fields.get("w2_n_splits", 1)
-    grouped = "g" * (fields.get("w13_group_rows", False) + fields.get("w2_group_rows", False))
-    return (text + grouped + ("" if row_warps == 1 else f"r{row_warps}")
-            + ("" if n_splits == 1 else f"n{n_splits}")
+    return (text + ("" if row_warps == 1 else f"r{row_warps}") + ("" if n_splits == 1 else f"n{n_splits}")
             + ("" if fields.get("fused_combine", True) else "s"))
 
 
@@ -138,8 +133,6 @@ def measure_coserve(measure, tokens: Sequence[int] = COSERVE_TOKENS, candidates:
         want = reference_moe(xs[0], tws[0], ids[0], measure.layers[0]).to(torch.float64)
         times = {}
         for text, config in configs:
-            if (config.w13_group_rows or config.w2_group_rows) and M == 1:
-                continue
             got = run(config, 0, ids, tws, xs).to(torch.float64).cpu()
             diff = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
             if not diff <= bound:  # NaN too

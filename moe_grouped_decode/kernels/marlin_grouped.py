@@ -9,9 +9,6 @@ The tensors are those vLLM's MARLIN MoE backend holds after its load step
 
 Programs::
 
-    groups (with ``w13_group_rows`` / ``w2_group_rows``): program row -> groups[row] (the size of
-         the group of up to 8 rows of its id that it heads, 0 where it heads none, then their
-         rows); W13 and W2 run a group's programs only, its rows as the mma's token columns
     W13: program 0 zeroes the fused combine's arrival counters (ARRIVALS_PAD > 0: W2 fuses it);
          program 1 + (row * SPLITS + s) * TILES + tile, TILES = ceil(N / 64) tiles of gate and as
          many of up (a tile of padding only is never read; the padded columns of the last tile
@@ -80,54 +77,6 @@ def _zero_word(word, PLAIN_ZEROS: tl.constexpr):
         return word
 
 
-# rows of one expert a program takes with GROUP_ROWS: the mma's 8 token columns
-GROUP_ROWS_MAX = tl.constexpr(8)
-GROUP_WORDS = tl.constexpr(9)  # a row's entry in the groups table: its group's size, then its rows
-_ID_SCAN = tl.constexpr(64)  # routed ids read per step of the scan for a row's fellow rows
-
-
-@triton.jit
-def expert_groups_kernel(ids_ptr, rows, groups_ptr):
-    """groups[row] = (n, its group's rows [GROUP_ROWS_MAX]) for the routed row ``program_id``: the
-    rows of its id are taken GROUP_ROWS_MAX at a time in row order, and a group's first row gets
-    its size n and its rows (0 past them); every other row n = 0, as it has nothing to do. A
-    launch of its own before W13 (R programs of one warp), so that W13's and W2's many programs a
-    row each read their row's entry instead of scanning the ids."""
-    row = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + row)
-    offsets = tl.arange(0, _ID_SCAN)
-    earlier = 0  # rows of the same id before ``row``
-    for r0 in range(0, row, _ID_SCAN):
-        r = r0 + offsets
-        earlier += tl.sum(((r < row) & (tl.load(ids_ptr + r, mask=r < row, other=-1) == expert)).to(tl.int32))
-    slot = tl.arange(0, GROUP_ROWS_MAX)
-    members = tl.zeros([GROUP_ROWS_MAX], dtype=tl.int32)
-    count = 0  # rows of the same id from ``row`` on
-    for r0 in range(row, rows, _ID_SCAN):
-        r = r0 + offsets
-        same = (r < rows) & (tl.load(ids_ptr + r, mask=r < rows, other=-1) == expert)
-        rank = count + tl.cumsum(same.to(tl.int32), axis=0) - 1  # among the rows from ``row`` on
-        taken = same[None, :] & (rank[None, :] == slot[:, None])
-        members += tl.sum(tl.where(taken, r[None, :].to(tl.int32), 0), axis=1)
-        count += tl.sum(same.to(tl.int32))
-    first = earlier % GROUP_ROWS_MAX == 0
-    tl.store(groups_ptr + row * GROUP_WORDS, tl.where(first, tl.minimum(count, GROUP_ROWS_MAX), 0))
-    tl.store(groups_ptr + row * GROUP_WORDS + 1 + slot, tl.where(first, members, 0))
-
-
-@triton.jit
-def _group_rows(groups_ptr, row, n, count):
-    """Rows n (a lane-index tensor) of ``row``'s group, int64 (0 at n >= count)."""
-    return tl.load(groups_ptr + row * GROUP_WORDS + 1 + n, mask=n < count, other=0).to(tl.int64)
-
-
-@triton.jit
-def _output_rows(groups_ptr, row, t, e, count):
-    """The row of each output element e of lane (g, t): its token column is 2 t + e % 2."""
-    return tl.where(e % 2 == 0, _group_rows(groups_ptr, row, 2 * t, count),
-                    _group_rows(groups_ptr, row, 2 * t + 1, count))
-
-
 @triton.jit
 def marlin_w13_kernel(
     x_ptr, stride_xm, ids_ptr, num_experts,
@@ -137,14 +86,12 @@ def marlin_w13_kernel(
     CHUNKS: tl.constexpr, WARPS: tl.constexpr, SPLITS: tl.constexpr, SCALES_GROUPED: tl.constexpr,
     IS_BF16: tl.constexpr, USE_PDL: tl.constexpr, ARRIVALS_PAD: tl.constexpr = 0,
     STORED_COLUMNS: tl.constexpr = 0, STORED_ROWS: tl.constexpr = 0, UP_TILE: tl.constexpr = 0,
-    PLAIN_ZEROS: tl.constexpr = False, GROUP_ROWS: tl.constexpr = False, groups_ptr=None,
+    PLAIN_ZEROS: tl.constexpr = False,
 ):
     """partials[s, row, cols] = x[row // k, K-split s] @ W13[topk_ids[row]][K-split s, cols].
 
     Marlin's tensors by default; Humming's (``humming_layout``) with STORED_COLUMNS / STORED_ROWS
-    (the padded [K, 2N] the tensors hold), UP_TILE (up's first tile) and PLAIN_ZEROS. GROUP_ROWS:
-    a row's programs take up to GROUP_ROWS_MAX rows of its expert as the mma's token columns
-    (``expert_groups_kernel``'s table); each row's partials are the same bits either way."""
+    (the padded [K, 2N] the tensors hold), UP_TILE (up's first tile) and PLAIN_ZEROS."""
     let_next_launch_start(USE_PDL)
     HALF_TILES: tl.constexpr = (N + MARLIN_TILE_COLUMNS - 1) // MARLIN_TILE_COLUMNS  # real tiles of gate (of up)
     TILES: tl.constexpr = 2 * HALF_TILES
@@ -167,15 +114,9 @@ def marlin_w13_kernel(
     padded_tile = half * FIRST_UP_TILE + tile % HALF_TILES
     expert = tl.load(ids_ptr + row)
     valid = (expert >= 0) & (expert < num_experts)
-    if GROUP_ROWS:
-        count = tl.load(groups_ptr + row * GROUP_WORDS)
-        if count == 0:
-            return
     expert = tl.where(valid, expert, 0).to(tl.int64)
     token = (row // TOP_K).to(tl.int64)
     warp, g, t, e = chunk_lanes(WARPS)
-    if GROUP_ROWS:
-        token = _group_rows(groups_ptr, row, g, count) // TOP_K  # lane group g holds token column g
     block, word = marlin_word_offsets(t, g, e)
     qweight_base = qweight_ptr + expert * (K_ROWS // 16 * ROW_WORDS) + padded_tile * MARLIN_TILE_WORDS + word
     scales_base = scales_ptr + expert * (K_ROWS // G * COLUMNS) + padded_tile * MARLIN_TILE_COLUMNS + _scale_columns(g, e, SCALES_GROUPED)
@@ -186,10 +127,7 @@ def marlin_w13_kernel(
         k0 = split * SPLIT_ROWS + (warp * CHUNKS + c) * CHUNK_ROWS
         group = k0 // G
         words = tl.load(qweight_base + (k0 // 16 + block) * ROW_WORDS)
-        if GROUP_ROWS:
-            x = tl.load(x_ptr + token * stride_xm + marlin_chunk_rows(k0, t, e), mask=g < count, other=0.0)
-        else:
-            x = tl.load(x_ptr + token * stride_xm + marlin_chunk_rows(k0, t, e), mask=g == 0, other=0.0)
+        x = tl.load(x_ptr + token * stride_xm + marlin_chunk_rows(k0, t, e), mask=g == 0, other=0.0)
         scales = tl.load(scales_base + group * COLUMNS)
         zeros = _zero_word(tl.load(qzeros_base + group * (COLUMNS // 8)), PLAIN_ZEROS)
         d_lo, d_hi = marlin_mma_chunk(words, x, scales, zeros, IS_BF16, WARPS)
@@ -202,9 +140,6 @@ def marlin_w13_kernel(
     col = (tile % HALF_TILES) * MARLIN_TILE_COLUMNS + marlin_chunk_columns(g, e)  # within gate (up)
     keep = (t == 0) & (e % 2 == 0)  # token column 0: this row's token
     out_base = partials_ptr + (split * rows + row) * (2 * N) + half * N
-    if GROUP_ROWS:  # element e of lane (g, t) is token column 2 t + e % 2: its row's partials
-        keep = 2 * t + e % 2 < count
-        out_base = partials_ptr + (split * rows + _output_rows(groups_ptr, row, t, e, count)) * (2 * N) + half * N
     tl.store(out_base + col, acc_lo, mask=keep & (col < N))
     tl.store(out_base + col + 32, acc_hi, mask=keep & (col + 32 < N))
 
@@ -222,21 +157,11 @@ def _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, COLUMNS:
 
 @triton.jit
 def _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N: tl.constexpr,
-                  IS_BF16: tl.constexpr, WARPS: tl.constexpr, GROUP_ROWS: tl.constexpr = False, count=1):
-    """With GROUP_ROWS, ``row`` holds lane group g's row (token column g), ``count`` the columns used."""
+                  IS_BF16: tl.constexpr, WARPS: tl.constexpr):
     k_rows = marlin_chunk_rows(c * CHUNK_ROWS, t, e)
-    if GROUP_ROWS:
-        act = tl.load(act_ptr + row * N + k_rows, mask=(g < count) & (k_rows < N), other=0.0)
-    else:
-        act = tl.load(act_ptr + row * N + k_rows, mask=(g == 0) & (k_rows < N), other=0.0)
+    act = tl.load(act_ptr + row * N + k_rows, mask=(g == 0) & (k_rows < N), other=0.0)
     d_lo, d_hi = marlin_mma_chunk(words, act, scales, zeros, IS_BF16, WARPS)
     return acc_lo + d_lo, acc_hi + d_hi
-
-
-@triton.jit
-def _group_row(groups_ptr, row, m):
-    """Row m (a scalar) of ``row``'s group."""
-    return tl.load(groups_ptr + row * GROUP_WORDS + 1 + m).to(tl.int64)
 
 
 @triton.jit
@@ -267,12 +192,11 @@ def marlin_w2_kernel(
     WARPS: tl.constexpr, N_PAD: tl.constexpr, SCALES_GROUPED: tl.constexpr, IS_BF16: tl.constexpr,
     USE_PDL: tl.constexpr, TOP_K: tl.constexpr = 1, FUSED_COMBINE: tl.constexpr = False,
     ROW_WARPS: tl.constexpr = 1, N_SPLITS: tl.constexpr = 1, STORED_COLUMNS: tl.constexpr = 0,
-    PLAIN_ZEROS: tl.constexpr = False, GROUP_ROWS: tl.constexpr = False, groups_ptr=None,
+    PLAIN_ZEROS: tl.constexpr = False,
 ):
     """row_out[split, row, cols] = (silu(gate) * up)[row, split's rows] @ W2[topk_ids[row]][split's
     rows, cols], float32. Humming's tensors: N_P their padded N, STORED_COLUMNS their padded K,
-    PLAIN_ZEROS. GROUP_ROWS: as W13's, a program takes up to GROUP_ROWS_MAX rows of its row's
-    expert, their activations, row outputs and combine arrivals."""
+    PLAIN_ZEROS."""
     COLUMNS: tl.constexpr = STORED_COLUMNS if STORED_COLUMNS > 0 else K
     # with the combine fused, W2 is the op's last launch: what follows must not start before it ends
     let_next_launch_start(USE_PDL and not FUSED_COMBINE)
@@ -296,12 +220,6 @@ def marlin_w2_kernel(
     HELD: tl.constexpr = min(ITERS, HELD_CHUNKS)
     expert = tl.load(ids_ptr + row)
     valid = (expert >= 0) & (expert < num_experts)
-    if GROUP_ROWS:
-        count = tl.load(groups_ptr + row * GROUP_WORDS)
-        if count == 0:
-            return
-    else:
-        count = 1
     expert = tl.where(valid, expert, 0).to(tl.int64)
     LANE_WARPS: tl.constexpr = WARPS * ROW_WARPS
     warp, g, t, e = chunk_lanes(LANE_WARPS)
@@ -316,43 +234,32 @@ def marlin_w2_kernel(
         held += (_w2_chunk_weights(qweight_base, scales_base, qzeros_base, first_chunk + i * ROW_WARPS + row_warp,
                                    block, COLUMNS, G, PLAIN_ZEROS),)
     wait_for_previous_launch(USE_PDL)
-    if GROUP_ROWS:
-        for m in range(0, count):
-            member = _group_row(groups_ptr, row, m)
-            if N_SPLITS > 1:
-                _span_activations(partials_ptr, act_ptr, member, rows, first_chunk * CHUNK_ROWS,
-                                  SPLIT_CHUNKS * CHUNK_ROWS, N, SPLITS, min(N_PAD // N_SPLITS, ACT_BLOCK))
-            else:
-                row_activations(partials_ptr, act_ptr, member, rows, N, SPLITS, N_PAD)
-        act_row = _group_rows(groups_ptr, row, g, count)  # lane group g's token column
+    if N_SPLITS > 1:
+        _span_activations(partials_ptr, act_ptr, row, rows, first_chunk * CHUNK_ROWS, SPLIT_CHUNKS * CHUNK_ROWS, N,
+                          SPLITS, min(N_PAD // N_SPLITS, ACT_BLOCK))
     else:
-        act_row = row
-        if N_SPLITS > 1:
-            _span_activations(partials_ptr, act_ptr, row, rows, first_chunk * CHUNK_ROWS, SPLIT_CHUNKS * CHUNK_ROWS,
-                              N, SPLITS, min(N_PAD // N_SPLITS, ACT_BLOCK))
-        else:
-            row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
+        row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
     tl.debug_barrier()  # every thread's act stores happen before any thread reads them back
     acc_lo = tl.zeros([32 * LANE_WARPS, 8], dtype=tl.float32)
     acc_hi = tl.zeros([32 * LANE_WARPS, 8], dtype=tl.float32)
     for i in tl.static_range(HELD):
         words, scales, zeros = held[i]
-        acc_lo, acc_hi = _w2_chunk_mma(act_ptr, act_row, first_chunk + i * ROW_WARPS + row_warp, words, scales,
-                                       zeros, acc_lo, acc_hi, g, t, e, N, IS_BF16, LANE_WARPS, GROUP_ROWS, count)
+        acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, first_chunk + i * ROW_WARPS + row_warp, words, scales, zeros,
+                                       acc_lo, acc_hi, g, t, e, N, IS_BF16, LANE_WARPS)
     if ITERS - HELD <= UNROLLED_CHUNKS:
         for i in tl.static_range(HELD, ITERS):
             c = first_chunk + i * ROW_WARPS + row_warp
             words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, COLUMNS, G,
                                                      PLAIN_ZEROS)
-            acc_lo, acc_hi = _w2_chunk_mma(act_ptr, act_row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
-                                           IS_BF16, LANE_WARPS, GROUP_ROWS, count)
+            acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
+                                           IS_BF16, LANE_WARPS)
     else:
         for i in tl.range(HELD, ITERS, loop_unroll_factor=CHUNK_LOOP_UNROLL):
             c = first_chunk + i * ROW_WARPS + row_warp
             words, scales, zeros = _w2_chunk_weights(qweight_base, scales_base, qzeros_base, c, block, COLUMNS, G,
                                                      PLAIN_ZEROS)
-            acc_lo, acc_hi = _w2_chunk_mma(act_ptr, act_row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
-                                           IS_BF16, LANE_WARPS, GROUP_ROWS, count)
+            acc_lo, acc_hi = _w2_chunk_mma(act_ptr, row, c, words, scales, zeros, acc_lo, acc_hi, g, t, e, N,
+                                           IS_BF16, LANE_WARPS)
     if ROW_WARPS > 1:  # the chunk sequences' sums, in the compiler's fixed tree order
         acc_lo = tl.sum(tl.reshape(acc_lo, [ROW_WARPS, 32 * WARPS, 8]), axis=0)
         acc_hi = tl.sum(tl.reshape(acc_hi, [ROW_WARPS, 32 * WARPS, 8]), axis=0)
@@ -363,35 +270,18 @@ def marlin_w2_kernel(
     col = col_tile * MARLIN_TILE_COLUMNS + marlin_chunk_columns(g, e)
     keep = (t == 0) & (e % 2 == 0)
     out_row = row_out_ptr + (n_split * rows + row) * K
-    if GROUP_ROWS:  # element e of lane (g, t) is token column 2 t + e % 2: its row's output
-        keep = 2 * t + e % 2 < count
-        out_row = row_out_ptr + (n_split * rows + _output_rows(groups_ptr, row, t, e, count)) * K
     tl.store(out_row + col, acc_lo, mask=keep)
     tl.store(out_row + col + 32, acc_hi, mask=keep)
     if FUSED_COMBINE:
+        token = row // TOP_K
         tl.debug_barrier()  # every thread's row_out stores happen before the release below
-        if GROUP_ROWS:  # an arrival for each row taken, each at its own token
-            for m in range(0, count):
-                _arrive_and_combine(_group_row(groups_ptr, row, m) // TOP_K, tile, row_out_ptr, topk_weights_ptr, ids_ptr,
-                                    num_experts, out_ptr, stride_om, arrivals_ptr, rows, K, WARPS, TOP_K, N_SPLITS)
-        else:
-            _arrive_and_combine(row // TOP_K, tile, row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, out_ptr,
-                                stride_om, arrivals_ptr, rows, K, WARPS, TOP_K, N_SPLITS)
-
-
-@triton.jit
-def _arrive_and_combine(token, tile, row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, out_ptr, stride_om,
-                        arrivals_ptr, rows, K: tl.constexpr, WARPS: tl.constexpr, TOP_K: tl.constexpr,
-                        N_SPLITS: tl.constexpr):
-    """One row's arrival at its token's column tile; the last of the token's k x N_SPLITS writes
-    the token's combined columns."""
-    arrived = tl.atomic_add(arrivals_ptr + token * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == TOP_K * N_SPLITS - 1:
-        cols = tile * (WARPS * MARLIN_TILE_COLUMNS) + tl.arange(0, WARPS * MARLIN_TILE_COLUMNS)
-        col_ok = cols < K
-        acc = combine_sums(row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, token, cols, col_ok, TOP_K, K,
-                           rows, N_SPLITS)
-        tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+        arrived = tl.atomic_add(arrivals_ptr + token * tl.num_programs(1) + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == TOP_K * N_SPLITS - 1:
+            cols = tile * (WARPS * MARLIN_TILE_COLUMNS) + tl.arange(0, WARPS * MARLIN_TILE_COLUMNS)
+            col_ok = cols < K
+            acc = combine_sums(row_out_ptr, topk_weights_ptr, ids_ptr, num_experts, token, cols, col_ok, TOP_K, K,
+                               rows, N_SPLITS)
+            tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -415,11 +305,7 @@ class MarlinGroupedConfig:
     warp (a K split is warps x chunks x 32 rows; it must divide K), W2's column warps (64 output
     columns each; 64 x warps must divide K), its row warps per column warp (each every
     ``w2_row_warps``-th 32-row chunk of its rows) and its N splits (programs that each take
-    N / ``w2_n_splits`` rows of a column tile); both powers of 2 whose product divides N / 32; and
-    whether W13 and W2 group rows by expert (``w13_group_rows``, ``w2_group_rows``: the first of up
-    to 8 rows of an expert computes them all, so a token count whose tokens share experts reads
-    each expert's weights once per 8 rows, at the price of a scan of the routed ids in every
-    program)."""
+    N / ``w2_n_splits`` rows of a column tile); both powers of 2 whose product divides N / 32."""
 
     w13_warps: int = 4
     w13_chunks: int = 4
@@ -427,8 +313,6 @@ class MarlinGroupedConfig:
     fused_combine: bool = True  # the last of a token's W2 programs on a tile combines it (one launch fewer)
     w2_row_warps: int = 1
     w2_n_splits: int = 1
-    w13_group_rows: bool = False
-    w2_group_rows: bool = False
 
     def splits(self, hidden_size: int, intermediate_size: int) -> int:
         """W13's K splits for K = ``hidden_size``; ValueError where the config does not tile the
@@ -442,8 +326,6 @@ class MarlinGroupedConfig:
                 intermediate_size % (CHUNK_ROWS.value * row_warps * n_splits):
             raise ValueError(f"config {self} does not tile N = {intermediate_size}: its W2 row warps and N splits, "
                              f"each a power of 2, take {CHUNK_ROWS.value} rows each in turn")
-        if self.w2_group_rows and not self.w13_group_rows:
-            raise ValueError(f"config {self}: W2 groups rows by expert only where W13 does")
         return hidden_size // rows
 
 
@@ -573,24 +455,18 @@ def _launch(x, topk_weights, topk_ids, tensors, N: int, G: int, N_p: int, scales
     w2_tiles = K // (MARLIN_TILE_COLUMNS.value * config.w2_warps)
     fused = config.fused_combine
     arrivals = torch.empty(M * w2_tiles if fused else 1, dtype=torch.int32, device=dev)
-    grouped = {}
-    if config.w13_group_rows or config.w2_group_rows:
-        groups = torch.empty(R, GROUP_WORDS.value, dtype=torch.int32, device=dev)
-        expert_groups_kernel[(R,)](topk_ids, R, groups, num_warps=1)
-        grouped = dict(groups_ptr=groups)
     marlin_w13_kernel[(int(fused) + R * splits * tiles,)](
         x, x.stride(0), topk_ids, E, w13_qweight, w13_scales, w13_qzeros, partials, R, arrivals, arrivals.numel(),
         TOP_K=top_k, K=K, N=N, N_P=N_p, G=G, CHUNKS=config.w13_chunks, WARPS=config.w13_warps, SPLITS=splits,
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl,
-        ARRIVALS_PAD=triton.next_power_of_2(arrivals.numel()) if fused else 0, GROUP_ROWS=config.w13_group_rows,
-        num_warps=config.w13_warps, **w13_layout, **(grouped if config.w13_group_rows else {}))
+        ARRIVALS_PAD=triton.next_power_of_2(arrivals.numel()) if fused else 0, num_warps=config.w13_warps,
+        **w13_layout)
     marlin_w2_kernel[(R, w2_tiles) if n_splits == 1 else (R, w2_tiles, n_splits)](
         topk_ids, E, partials, w2_qweight, w2_scales, w2_qzeros, act, row_out, R,
         topk_weights, out, out.stride(0), arrivals,
         K=K, N=N, N_P=N_p, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=triton.next_power_of_2(N),
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl, TOP_K=top_k, FUSED_COMBINE=fused,
-        ROW_WARPS=config.w2_row_warps, N_SPLITS=n_splits, GROUP_ROWS=config.w2_group_rows,
-        num_warps=config.w2_warps * config.w2_row_warps, **(grouped if config.w2_group_rows else {}),
+        ROW_WARPS=config.w2_row_warps, N_SPLITS=n_splits, num_warps=config.w2_warps * config.w2_row_warps,
         **w2_layout, **launch_options(use_pdl))
     if not fused:
         marlin_combine_kernel[(M, triton.cdiv(K, COMBINE_BLOCK))](
