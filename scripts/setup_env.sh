@@ -29,3 +29,12 @@ from vllm import LLM  # noqa: F401  (fails here, not in the tests, if the env is
 import vllm
 print(f"[setup] vllm {vllm.__version__}")
 PY
+# humming-kernels' wheel (vLLM 0.32's pin, half a MB): tests build its real LayerConfig from the
+# pure-Python config modules in it. Best effort: without a network that one test skips
+"$venv/bin/python" - <<'PY' || echo "[setup] humming-kernels' wheel not fetched: the test of its real LayerConfig will skip"
+from moe_grouped_decode.benchmarking.vllm_moe.sources import default_sources_dir, fetch_humming_wheel, humming_wheels
+dest = default_sources_dir()
+if not humming_wheels(dest):
+    fetch_humming_wheel(dest)
+print(f"[setup] {humming_wheels(dest)[0].name} in {dest / 'humming_whl'}")
+PY

@@ -502,7 +502,9 @@ def test_hummings_own_layer_config_of_the_awq_repack_is_the_layout_the_kernel_re
     (``prepare_layer_config``'s fields), nothing refuses; the stand-ins above mirror its filled-in modes."""
     found = hummings_layer_config()
     if found is None:
-        pytest.skip("humming-kernels' wheel is not in .vllm_moe_src/ (python -m moe_grouped_decode vllm-moe-fetch)")
+        # scripts/setup_env.sh fetches it from PyPI; only a set-up without a network lacks it
+        pytest.skip("humming-kernels' wheel is not in .vllm_moe_src/ (no network at set-up; "
+                    "python -m moe_grouped_decode vllm-moe-fetch)")
     LayerConfig, dtypes = found
     from moe_grouped_decode.compile_plugin.coserve_method import humming_refusal
 
