@@ -13,6 +13,7 @@ inputs, CUDA-graph replays of, per M:
     marlin_<config>  the co-served kernel under each ``--marlin-configs`` config (the tune's
                candidate syntax), after its output on the first layer is checked against the
                float64 reference (its scaled error in the row; one past the tune's bound is not timed)
+    marlin_w13_<config>  that config's W13 launch alone (W2 and the combine: the difference)
 
     python benchmarks/coserve_stages.py --shape 512,10,2048,512,128 --tokens 1,2,4,8 --out DIR
 """
@@ -113,6 +114,9 @@ def main(argv=None) -> int:
                 continue
             clocks[f"marlin_{text}"] = lambda i, c=extra: launch_marlin_grouped(
                 xs[i], tws[i], ids[i], *marlin[i].tensors(), N, G, marlin[i].scales_grouped, c, use_pdl, out)
+            extra_partials = torch.empty(extra.splits(K, N), M * k, 2 * N, dtype=torch.float32, device=device)
+            clocks[f"marlin_w13_{text}"] = lambda i, c=extra, p=extra_partials: marlin_w13_only(
+                xs[i], ids[i], marlin[i], N, G, c, p, use_pdl)
         for name, step in clocks.items():
             row[f"{name}_us"] = round(graph_replay_us(step, count, args.reps), 2)
         print(json.dumps(row), flush=True)
