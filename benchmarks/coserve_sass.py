@@ -22,7 +22,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from moe_grouped_decode.kernels import config as kernel_config  # noqa: E402
 from moe_grouped_decode.kernels import plan as launch_plan  # noqa: E402
 from moe_grouped_decode.benchmarking.coserve import parse_config  # noqa: E402
-from moe_grouped_decode.kernels.marlin_grouped import marlin_w13_kernel, marlin_w2_kernel  # noqa: E402
+from moe_grouped_decode.kernels.marlin_grouped import (ACT_LAUNCH_BLOCK, marlin_act_kernel, marlin_w13_kernel,  # noqa: E402
+                                                       marlin_w2_kernel)
 from moe_grouped_decode.marlin_layout import marlin_padded_intermediate, vllm_scales_grouped  # noqa: E402
 
 
@@ -61,11 +62,16 @@ def main(argv=None) -> int:
         w2 = sass_stats.compile_kernel(
             marlin_w2_kernel, dict(shape, WARPS=w2_warps, SPLITS=splits, N_PAD=1 << (N - 1).bit_length(), TOP_K=k,
                                    FUSED_COMBINE=config.fused_combine, ROW_WARPS=row_warps,
-                                   N_SPLITS=config.w2_n_splits),
+                                   N_SPLITS=config.w2_n_splits, ACT_READY=config.act_launch),
             dict(ids_ptr="*i32", partials_ptr="*fp32", qweight_ptr="*i32", scales_ptr="*fp16", qzeros_ptr="*i32",
                  act_ptr="*fp16", row_out_ptr="*fp32", out_ptr="*fp16", topk_weights_ptr="*fp32", arrivals_ptr="*i32"),
             w2_warps * row_warps, dict(stride_om=K))
         sass_stats.stats(f"Marlin w2 {text} ({w2_warps * row_warps} warps)", w2, N // config.w2_n_splits * 64 * w2_warps)
+        if config.act_launch:  # no weights: "per weight" here is per activation its program writes
+            block = min(1 << (N - 1).bit_length(), ACT_LAUNCH_BLOCK)
+            act = sass_stats.compile_kernel(marlin_act_kernel, dict(N=N, SPLITS=splits, BLOCK=block, USE_PDL=True),
+                                            dict(partials_ptr="*fp32", act_ptr="*fp16"), 1)
+            sass_stats.stats(f"Marlin act {text} (1 warp)", act, block)
     return 0
 
 

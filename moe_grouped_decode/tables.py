@@ -287,13 +287,16 @@ def _coserve_from_json(c: dict, key: str = "coserve") -> CoserveTable:
     if not all(_coserve_launch_entry_ok(e) for e in table.launch):
         raise ValueError(f"{key}.launch entries must be {{\"M\": int >= 1, \"config\": {{"
                          f"{', '.join(sorted(_COSERVE_COUNTS))} (ints >= 1), fused_combine (bool)"
-                         f"[, {', '.join(sorted(_COSERVE_OPTIONAL_COUNTS))} (int >= 1)]}}}}")
+                         f"[, {', '.join(sorted(_COSERVE_OPTIONAL_COUNTS))} (int >= 1)]"
+                         f"[, {', '.join(sorted(_COSERVE_OPTIONAL_FLAGS))} (bool)]}}}}")
     return table
 
 
-# kernels/marlin_grouped.py's launch config: counts, and whether W2 fuses the combine
+# kernels/marlin_grouped.py's launch config: counts, and whether W2 fuses the combine; an entry
+# without an optional field gets the config's default
 _COSERVE_COUNTS = {"w13_warps", "w13_chunks", "w2_warps"}
 _COSERVE_OPTIONAL_COUNTS = {"w2_row_warps", "w2_n_splits"}
+_COSERVE_OPTIONAL_FLAGS = {"act_launch"}
 
 
 def _coserve_launch_entry_ok(entry) -> bool:
@@ -304,9 +307,9 @@ def _coserve_launch_entry_ok(entry) -> bool:
         return False
     config = entry["config"]
     required = _COSERVE_COUNTS | {"fused_combine"}
-    return (required <= set(config) <= required | _COSERVE_OPTIONAL_COUNTS
-            and isinstance(config["fused_combine"], bool)
-            and all(count(v) for f, v in config.items() if f != "fused_combine"))
+    flags = {"fused_combine"} | _COSERVE_OPTIONAL_FLAGS
+    return (required <= set(config) <= required | _COSERVE_OPTIONAL_COUNTS | _COSERVE_OPTIONAL_FLAGS
+            and all(isinstance(v, bool) if f in flags else count(v) for f, v in config.items()))
 
 
 def table_from_json(data: dict, path: Optional[Path] = None) -> MeasuredTable:

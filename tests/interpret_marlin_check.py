@@ -8,13 +8,15 @@ at G = 32, the only padding vLLM makes, since N is a multiple of G), N == G (vLL
 scale order; at G = 32 with padding too), G = 32 / 64 / 128, a W2 past
 awq_mma.UNROLLED_CHUNKS (its chunk loop), several warps in both kernels, W2's row warps and N splits,
 an id outside [0, E),
-fp16 and bf16, the combine fused into W2 and as its own launch. Then the co-served op's CUDA
+fp16 and bf16, the combine fused into W2 and as its own launch, the activations in a launch of
+their own (the same bits as W2's own reduction of them: checked equal). Then the co-served op's CUDA
 implementation (ops/marlin.py), whose launch config per M comes from a registered table, against
 the op's CPU implementation; the same kernels over Humming's tensors (humming_layout.awq_to_humming:
 each sublayer padded at its ends, zero points in plain nibble order), with rows, columns and N padded;
 and the tune's co-serving measurement (benchmarking/coserve.py) with a stand-in clock: which
 candidates it drops, which it keeps per M, the launch table it writes.
-Prints one line per case and exits non-zero on the first failure.
+Prints one line per case and exits non-zero on the first failure. ``kernels`` / ``ops`` as the
+argument runs one half (the Marlin cases / the rest).
 """
 
 import dataclasses
@@ -34,8 +36,8 @@ from interpret_kernels_check import check, routing  # noqa: E402
 from moe_grouped_decode.awq import synthetic_moe_weights  # noqa: E402
 from moe_grouped_decode.kernels.awq_mma import UNROLLED_CHUNKS  # noqa: E402
 from moe_grouped_decode.humming_layout import awq_to_humming, humming_padded_sizes  # noqa: E402
-from moe_grouped_decode.kernels.marlin_grouped import (MarlinGroupedConfig, launch_humming_grouped,  # noqa: E402
-                                                       launch_marlin_grouped)
+from moe_grouped_decode.kernels.marlin_grouped import (ACT_LAUNCH_BLOCK, MarlinGroupedConfig,  # noqa: E402
+                                                       launch_humming_grouped, launch_marlin_grouped)
 from moe_grouped_decode.kernels.w2_tl import HELD_CHUNKS  # noqa: E402
 from moe_grouped_decode.marlin_layout import awq_to_marlin  # noqa: E402
 from moe_grouped_decode.ops.reference import reference_moe  # noqa: E402
@@ -70,6 +72,14 @@ CASES = [
     (4, 3, 192, 160, 32, 5, "single_hot", F16, (1, 2, 1, False)),
     (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False)),
     (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False, 1, 4)),  # over four N splits, N == G
+    (4, 2, 256, 128, 32, 3, "random", F16, (1, 2, 4, True, 1, 4)),  # four column warps (256 columns) in N splits
+    (2, 1, 128, 512, 128, 2, "invalid", BF16, (1, 4, 2, True, 1, 16)),  # sixteen N splits of one chunk each
+    # the activations in a launch of their own (blocks of ACT_LAUNCH_BLOCK = 128 units of N), W2 reading them
+    (4, 3, 512, 192, 64, 4, "round_robin", BF16, (1, 8, 2, True, 1, 2, True)),  # two N splits, a half last block
+    (4, 2, 256, 96, 32, 3, "random", F16, (1, 2, 2, True, 1, 1, True)),  # no N split; N_p = 128, one block of 96
+    (4, 3, 192, 160, 32, 5, "single_hot", F16, (1, 2, 1, False, 1, 1, True)),  # the combine on its own; 128 + 32
+    (4, 2, 256, 128, 128, 3, "invalid", BF16, (2, 1, 2, False, 1, 4, True)),  # an id of -1; four N splits
+    (2, 1, 128, 512, 128, 2, "random", F16, (1, 1, 1, True, 2, 2, True)),  # row warps in N splits; four blocks
 ]
 
 HUMMING_CASES = [
@@ -78,6 +88,7 @@ HUMMING_CASES = [
     (3, 3, 384, 64, 64, 4, "round_robin", BF16, (1, 4, 2)),  # W13's columns, W2's rows and columns
     (2, 2, 320, 192, 64, 2, "invalid", F16, (1, 1, 1, True, 1, 2)),  # W13's rows too; W2 in N splits
     (2, 1, 128, 768, 128, 2, "random", BF16, (1, 4, 1, False, 1, 2)),  # the combine on its own
+    (2, 2, 320, 192, 64, 2, "invalid", F16, (1, 1, 1, True, 1, 2, True)),  # the activations in a launch of their own
 ]
 
 
@@ -100,6 +111,10 @@ def main() -> None:
         after_held[kind].add(case[3] // 32 // config.w2_row_warps // config.w2_n_splits - HELD_CHUNKS)
     for kind, counts in after_held.items():
         assert max(counts) > UNROLLED_CHUNKS and any(0 < n <= UNROLLED_CHUNKS for n in counts), (kind, counts)
+    # the act launch's blocks of N: a row inside one block, and rows of several with a ragged last one
+    act_n = [case[3] for case in CASES if MarlinGroupedConfig(*case[8]).act_launch]
+    assert any(n < ACT_LAUNCH_BLOCK for n in act_n) and any(
+        n > ACT_LAUNCH_BLOCK and n % ACT_LAUNCH_BLOCK for n in act_n), act_n
     gen = torch.Generator().manual_seed(11)
     for E, k, K, N, G, M, pattern, dtype, config in CASES:
         awq = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=E + K + N + M)
@@ -113,6 +128,9 @@ def main() -> None:
         name = (f"marlin grouped E={E} k={k} K={K} N={N} (N_p={marlin.padded_intermediate_size}) G={G} M={M} "
                 f"{pattern} {dtype} scales_grouped={marlin.scales_grouped} config={config}")
         check(name, out, reference_moe(x, tw, ids, awq), dtype)
+        if MarlinGroupedConfig(*config).act_launch:
+            check_act_launch_bits(name, out, lambda c, out: launch_marlin_grouped(
+                x, tw, ids, *marlin.tensors(), N, G, marlin.scales_grouped, c, out=out), config)
     # no tokens: an empty output, nothing launched (the fused combine's W13 has an extra program)
     awq = synthetic_moe_weights(4, 128, 64, 32, seed=1)
     marlin = awq_to_marlin(awq)
@@ -122,16 +140,75 @@ def main() -> None:
         print(f"FAIL M = 0 gives {tuple(empty.shape)}", flush=True)
         sys.exit(1)
     print("ok   M = 0: an empty [0, K] output", flush=True)
+    check_act_kernel_sums_in_split_order(gen)
+    print("all interpreter marlin kernel checks passed", flush=True)
+
+
+def main_layouts_and_ops() -> None:
+    gen = torch.Generator().manual_seed(12)
     check_humming(gen)
     check_coserved_op(gen)
     check_humming_coserved_op(gen)
     check_coserve_measurement()
-    print("all interpreter marlin checks passed", flush=True)
+    print("all interpreter marlin layout and op checks passed", flush=True)
 
 
 def fail(message: str) -> None:
     print(f"FAIL {message}", flush=True)
     sys.exit(1)
+
+
+def check_act_launch_bits(name: str, out: torch.Tensor, launch, config: tuple) -> None:
+    """``out`` of the config with the activations in a launch of their own is bit for bit the
+    output of the same config with W2 reducing them itself (the same sums in the same order)."""
+    in_w2 = dataclasses.replace(MarlinGroupedConfig(*config), act_launch=False)
+    want = torch.full_like(out, float("nan"))
+    launch(in_w2, want)
+    if not torch.equal(out, want):
+        differ = (out != want).sum().item()
+        fail(f"{name}: {differ} of {out.numel()} outputs differ from W2's own activations' (config {in_w2})")
+    print(f"ok   {name}: the same bits as with W2's own activations", flush=True)
+
+
+def check_act_kernel_sums_in_split_order(gen) -> None:
+    """The act launch's kernel against W2's own reduction (w2_tl.activations_kernel, row_activations)
+    on partials whose float32 sums depend on the order: splits of 2^24, 1, 1, -2^24 add to 0 in
+    split order and to 2 in reverse or rotated order, or without the last split to 2^24 (through a
+    whole layer the 16-bit activations hide such differences)."""
+    import triton
+
+    from moe_grouped_decode.kernels.marlin_grouped import marlin_act_kernel
+    from moe_grouped_decode.kernels.w2_tl import activations_kernel
+
+    S, R, N = 4, 3, 160  # two act blocks, the last ragged
+    partials = torch.randn(S, R, 2 * N, generator=gen)
+    crafted = torch.arange(2 * N) % 3 == 0  # gate's units 0, 3, ..., up's 2, 5, ... (N = 1 mod 3)
+    partials[:, :, crafted] = torch.tensor([2.0 ** 24, 1.0, 1.0, -2.0 ** 24])[:, None, None]
+
+    def in_order(splits):
+        total = torch.zeros(R, 2 * N)
+        for s in splits:
+            total += partials[s]
+        return total
+
+    if not (in_order(range(S))[:, crafted] == 0).all() or not (in_order(reversed(range(S)))[:, crafted] == 2).all():
+        fail("the act kernel's order-sensitive partials do not tell the split order")
+    block = min(triton.next_power_of_2(N), ACT_LAUNCH_BLOCK)
+    for dtype in (F16, BF16):
+        got = torch.full((R, N), float("nan"), dtype=dtype)
+        marlin_act_kernel[(R, triton.cdiv(N, block))](partials, got, R, N=N, SPLITS=S, BLOCK=block, USE_PDL=False)
+        want = torch.full((R, N), float("nan"), dtype=dtype)
+        activations_kernel[(R,)](partials, want, R, N=N, SPLITS=S, N_PAD=triton.next_power_of_2(N))
+        if not torch.equal(got, want):
+            fail(f"act kernel {dtype}: {(got != want).sum().item()} of {got.numel()} units differ from W2's "
+                 "row_activations")
+        # and without a reference kernel: a crafted gate or up sums to exactly 0 in split order only,
+        # and silu(0) * up = silu(gate) * 0 = 0
+        zeros = crafted[:N] | crafted[N:]
+        if not (got[:, zeros] == 0).all():
+            fail(f"act kernel {dtype}: {(got[:, zeros] != 0).sum().item()} crafted units are not 0")
+        print(f"ok   act kernel {dtype}: W2's row_activations bit for bit on order-sensitive partials "
+              f"({triton.cdiv(N, block)} blocks of {block} over N = {N})", flush=True)
 
 
 def check_humming(gen) -> None:
@@ -149,8 +226,12 @@ def check_humming(gen) -> None:
         ids[0, 0] = E - 1  # an expert past the first: the per-expert strides count
         out = torch.full((M, K), float("nan"), dtype=dtype)
         launch_humming_grouped(x, tw, ids, *hum.tensors(), N, G, MarlinGroupedConfig(*config), out=out)
-        check(f"humming grouped E={E} k={k} K={K} N={N} G={G} M={M} {pattern} {dtype} config={config} (stored "
-              f"W13 [{k_rows}, {w13_columns}], W2 [{n_rows}, {w2_columns}])", out, reference_moe(x, tw, ids, awq), dtype)
+        name = (f"humming grouped E={E} k={k} K={K} N={N} G={G} M={M} {pattern} {dtype} config={config} (stored "
+                f"W13 [{k_rows}, {w13_columns}], W2 [{n_rows}, {w2_columns}])")
+        check(name, out, reference_moe(x, tw, ids, awq), dtype)
+        if MarlinGroupedConfig(*config).act_launch:
+            check_act_launch_bits(name, out, lambda c, out: launch_humming_grouped(
+                x, tw, ids, *hum.tensors(), N, G, c, out=out), config)
     if paddings != {"w13 rows", "w13 columns", "w2 rows", "w2 columns"}:
         fail(f"the Humming cases pad only {sorted(paddings)}")
     awq = synthetic_moe_weights(2, 128, 96, 32, seed=2)  # up would start inside a tile
@@ -186,7 +267,9 @@ def check_coserved_op(gen) -> None:
               {"M": 6, "config": {"w13_warps": 1, "w13_chunks": 2, "w2_warps": 1, "fused_combine": True,
                                   "w2_n_splits": 2}},
               {"M": 7, "config": {"w13_warps": 1, "w13_chunks": 2, "w2_warps": 1, "fused_combine": True,
-                                  "w2_row_warps": 2, "w2_n_splits": 4}})
+                                  "w2_row_warps": 2, "w2_n_splits": 4}},
+              {"M": 8, "config": {"w13_warps": 1, "w13_chunks": 2, "w2_warps": 1, "fused_combine": True,
+                                  "w2_n_splits": 2, "act_launch": True}})
     gpu = device_facts(torch.device("cpu")).name
     route = tables.RouteTable(tokens=(1,), routes=("grouped",), plugin_us=(1.0,), vllm_us={"marlin": (2.0,)},
                               grouped_tokens=None)
@@ -194,21 +277,23 @@ def check_coserved_op(gen) -> None:
                                  versions={}, routes=route,
                                  coserve=tables.CoserveTable((1,), (1.0,), {"marlin": (2.0,)}, launch))
     with tables.table_registered(table):
-        chosen = [coserved_config(gpu, table.shape, "fp16", M) for M in (1, 2, 3, 4, 5, 6, 7, 9)]
-        want = [(1, 1, 1, True, 1, 1), (1, 2, 1, True, 4, 1), (2, 2, 2, False, 1, 1), (4, 4, 2, True, 1, 1),
-                (4, 4, 2, True, 1, 1), (1, 2, 1, True, 1, 2), (4, 4, 2, True, 1, 1), (4, 4, 2, True, 1, 1)]
-        got = [(c.w13_warps, c.w13_chunks, c.w2_warps, c.fused_combine, c.w2_row_warps, c.w2_n_splits)
-               for c in chosen]
+        counts = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+        chosen = [coserved_config(gpu, table.shape, "fp16", M) for M in counts]
+        want = [(1, 1, 1, True, 1, 1, False), (1, 2, 1, True, 4, 1, False), (2, 2, 2, False, 1, 1, False),
+                (4, 4, 2, True, 1, 1, False), (4, 4, 2, True, 1, 1, False), (1, 2, 1, True, 1, 2, False),
+                (4, 4, 2, True, 1, 1, False), (1, 2, 1, True, 1, 2, True), (1, 2, 1, True, 1, 2, True)]
+        got = dict(zip(counts, ((c.w13_warps, c.w13_chunks, c.w2_warps, c.fused_combine, c.w2_row_warps,
+                                 c.w2_n_splits, c.act_launch) for c in chosen)))
         # the default where 8 x 4 x 32 rows do not tile K = 512, and where 8 row warps, or 2 row warps
-        # in each of 4 N splits, do not tile N = 128's 4 chunks
-        if got != want:
+        # in each of 4 N splits, do not tile N = 128's 4 chunks; above the last entry, the last
+        if list(got.values()) != want:
             fail(f"co-served configs per M {got}, expected {want}")
-        for M in (1, 2, 3, 6):
+        for M in (1, 2, 3, 6, 8):
             x = torch.randn(M, K, generator=gen).to(F16)
             tw = torch.rand(M, k, generator=gen)
             ids = torch.randint(0, E, (M, k), generator=gen, dtype=torch.int32)
             args = (x, tw, ids, *marlin.tensors(), N, G, marlin.scales_grouped)
-            check(f"co-served op (CUDA implementation) M={M} config {got[min(M, 6) - 1]}",
+            check(f"co-served op (CUDA implementation) M={M} config {got[M]}",
                   awq_marlin_grouped_decode_cuda(*args), reference_moe(x, tw, ids, awq), F16)
             check(f"co-served op (CPU implementation) M={M}", awq_marlin_grouped_decode(*args),
                   reference_moe(x, tw, ids, awq), F16)
@@ -351,4 +436,10 @@ def check_coserve_measurement() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # two halves, each one test's subprocess within its time limit: "kernels" (the cases above),
+    # "ops" (Humming's tensors, the ops, the tune's measurement); no argument: both
+    part = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if part in ("kernels", "all"):
+        main()
+    if part in ("ops", "all"):
+        main_layouts_and_ops()

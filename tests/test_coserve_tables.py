@@ -164,6 +164,20 @@ def test_a_co_serving_table_round_trips_through_its_file(tmp_path):
     assert "coserve" not in json.loads(path.read_text()) and tables.read_dir(tmp_path)[0].coserve is None
 
 
+def test_a_launch_entry_without_the_act_launch_field_reads_as_the_default(tmp_path):
+    """An entry without the field gets the config's default (W2 reduces the activations); one
+    that sets it, its value."""
+    from moe_grouped_decode.kernels.marlin_grouped import config_from_entry
+
+    launch = ({"M": 4, "config": {"w13_warps": 1, "w13_chunks": 8, "w2_warps": 2, "fused_combine": True,
+                                  "w2_n_splits": 4}},
+              {"M": 8, "config": {"w13_warps": 1, "w13_chunks": 8, "w2_warps": 2, "fused_combine": True,
+                                  "w2_n_splits": 4, "act_launch": True}})
+    tables.write_table(table(coserve((2.0,) * 6, launch=launch)), tmp_path)
+    back = tables.read_dir(tmp_path)[0].coserve.launch
+    assert [config_from_entry(e).act_launch for e in back] == [False, True]
+
+
 def test_every_launch_config_the_tune_can_pick_round_trips_through_its_table(tmp_path):
     """The tune writes each winner's every field (``dataclasses.asdict``): the table's format must
     take every field the launch config has, and give the same config back."""
@@ -194,6 +208,8 @@ def test_every_launch_config_the_tune_can_pick_round_trips_through_its_table(tmp
                                                       "fused_combine": True}}]), "launch entries"),
     (lambda c: c.update(launch=[{"M": 4, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
                                                       "fused_combine": 1}}]), "launch entries"),
+    (lambda c: c.update(launch=[{"M": 4, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
+                                                      "fused_combine": True, "act_launch": 1}}]), "launch entries"),
     (lambda c: c.update(launch=[{"M": True, "config": {"w13_warps": 4, "w13_chunks": 2, "w2_warps": 1,
                                                          "fused_combine": True}}]), "launch entries"),
     (lambda c: c["coserved_us"].__setitem__(0, 0.0), "positive"),
@@ -265,15 +281,33 @@ def test_the_supported_models_row_says_where_a_shape_is_co_served():
     assert "co-served" not in supported.row("a model", table(coserve((0.5,) * 6)))
     one = supported.row("a model", table(coserve((1.5, 1.0, 2.0, 2.0, 2.0, 2.0))))
     assert "**co-served at 1 token**" in one and "1.50x at 1 |" in one
+    # a longer window over Humming's tensors: the speedup span names the counts it covers, both windows'
+    longer = dataclasses.replace(table(coserve((2.0, 1.5, 1.0, 2.0, 2.0, 2.0))),
+                                 coserve_humming=coserve((2.0, 1.5, 1.2, 1.1, 0.9, 2.0), humming_factor=3.0))
+    wider = supported.row("a model", longer)
+    assert "**co-served at 1..2 tokens**" in wider and "(1..4 over Humming's tensors where vLLM picks Humming)" in wider
+    assert "1.10-2.00x at 1..4 |" in wider
 
 
 @pytest.mark.parametrize("text, fields", [
-    ("2x4x2", dict(w13_warps=2, w13_chunks=4, w2_warps=2, fused_combine=True, w2_row_warps=1, w2_n_splits=1)),
-    ("4x2x1s", dict(w13_warps=4, w13_chunks=2, w2_warps=1, fused_combine=False, w2_row_warps=1, w2_n_splits=1)),
-    ("2x4x1r4", dict(w13_warps=2, w13_chunks=4, w2_warps=1, fused_combine=True, w2_row_warps=4, w2_n_splits=1)),
-    ("8x2x2r2s", dict(w13_warps=8, w13_chunks=2, w2_warps=2, fused_combine=False, w2_row_warps=2, w2_n_splits=1)),
-    ("1x8x2n4", dict(w13_warps=1, w13_chunks=8, w2_warps=2, fused_combine=True, w2_row_warps=1, w2_n_splits=4)),
-    ("2x4x1r2n2s", dict(w13_warps=2, w13_chunks=4, w2_warps=1, fused_combine=False, w2_row_warps=2, w2_n_splits=2)),
+    ("2x4x2", dict(w13_warps=2, w13_chunks=4, w2_warps=2, fused_combine=True, w2_row_warps=1, w2_n_splits=1,
+                   act_launch=False)),
+    ("4x2x1s", dict(w13_warps=4, w13_chunks=2, w2_warps=1, fused_combine=False, w2_row_warps=1, w2_n_splits=1,
+                    act_launch=False)),
+    ("2x4x1r4", dict(w13_warps=2, w13_chunks=4, w2_warps=1, fused_combine=True, w2_row_warps=4, w2_n_splits=1,
+                     act_launch=False)),
+    ("8x2x2r2s", dict(w13_warps=8, w13_chunks=2, w2_warps=2, fused_combine=False, w2_row_warps=2, w2_n_splits=1,
+                      act_launch=False)),
+    ("1x8x2n4", dict(w13_warps=1, w13_chunks=8, w2_warps=2, fused_combine=True, w2_row_warps=1, w2_n_splits=4,
+                     act_launch=False)),
+    ("2x4x1r2n2s", dict(w13_warps=2, w13_chunks=4, w2_warps=1, fused_combine=False, w2_row_warps=2, w2_n_splits=2,
+                        act_launch=False)),
+    ("1x8x2n4a", dict(w13_warps=1, w13_chunks=8, w2_warps=2, fused_combine=True, w2_row_warps=1, w2_n_splits=4,
+                      act_launch=True)),
+    ("4x4x2a", dict(w13_warps=4, w13_chunks=4, w2_warps=2, fused_combine=True, w2_row_warps=1, w2_n_splits=1,
+                    act_launch=True)),
+    ("2x4x1r2n2as", dict(w13_warps=2, w13_chunks=4, w2_warps=1, fused_combine=False, w2_row_warps=2, w2_n_splits=2,
+                         act_launch=True)),
 ])
 def test_a_co_serving_candidate_reads_and_prints_the_same(text, fields):
     from moe_grouped_decode.benchmarking.coserve import config_text, parse_config
@@ -283,7 +317,8 @@ def test_a_co_serving_candidate_reads_and_prints_the_same(text, fields):
     assert config_text(fields) == text
 
 
-@pytest.mark.parametrize("text", ["2x4", "2x4x2r", "2x4x2sr2", "a2x4x2", "2x4x2 ", "1x8x2n", "1x8x2n2r2"])
+@pytest.mark.parametrize("text", ["2x4", "2x4x2r", "2x4x2sr2", "a2x4x2", "2x4x2 ", "1x8x2n", "1x8x2n2r2",
+                                  "1x8x2n4sa", "1x8x2an4", "1x8x2aa"])
 def test_a_malformed_co_serving_candidate_is_an_error(text):
     from moe_grouped_decode.benchmarking.coserve import parse_config
 

@@ -54,7 +54,13 @@ def layer(request):
                                     MarlinGroupedConfig(1, 8, 2), MarlinGroupedConfig(1, 4, 2),
                                     # W2 in N splits, fused and as its own launch
                                     MarlinGroupedConfig(1, 8, 2, w2_n_splits=2),
-                                    MarlinGroupedConfig(1, 8, 2, fused_combine=False, w2_n_splits=4)], ids=str)
+                                    MarlinGroupedConfig(1, 8, 2, fused_combine=False, w2_n_splits=4),
+                                    MarlinGroupedConfig(1, 8, 4, w2_n_splits=4),  # four column warps a W2 program
+                                    # the activations in a launch of their own: W13 -> act -> W2 (PDL)
+                                    MarlinGroupedConfig(1, 8, 2, w2_n_splits=4, act_launch=True),
+                                    MarlinGroupedConfig(1, 8, 2, fused_combine=False, w2_n_splits=2,
+                                                        act_launch=True),
+                                    MarlinGroupedConfig(4, 2, 1, act_launch=True)], ids=str)
 def test_marlin_grouped_matches_reference(layer, M, config):
     awq, tensors, grouped, (E, k, K, N, G), dtype = layer
     gen = torch.Generator().manual_seed(M + 10 * config.w13_warps + 100 * config.w2_warps + 1000 * config.w2_row_warps
@@ -81,6 +87,59 @@ def test_marlin_grouped_matches_reference(layer, M, config):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", [MarlinGroupedConfig(1, 8, 2, w2_n_splits=16), MarlinGroupedConfig(1, 8, 4, w2_n_splits=8),
+                                    MarlinGroupedConfig(1, 8, 2, w2_n_splits=16, act_launch=True)], ids=str)
+def test_many_n_splits_match_reference(config, dtype):
+    """The configs of many N splits the large-N tables pick (Mixtral's N = 7168 in 16 splits of 14
+    chunks), at an N of 32 chunks: 16 splits of two, 8 of four, eager and replayed in a graph."""
+    E, k, K, N, G = 8, 2, 1024, 1024, 128
+    awq = synthetic_moe_weights(E, K, N, G, dtype=dtype, seed=37)
+    marlin = awq_to_marlin(awq)
+    tensors = [t.cuda() for t in marlin.tensors()]
+    use_pdl = torch.cuda.get_device_capability()[0] >= 9
+    for M in (1, 2):
+        gen = torch.Generator().manual_seed(M + 100 * config.w2_n_splits)
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
+        tw = torch.rand(M, k, generator=gen)
+        args = (x.cuda(), tw.cuda(), ids.cuda(), *tensors, N, G, marlin.scales_grouped, config, use_pdl)
+        out = torch.full((M, K), float("nan"), dtype=dtype, device="cuda")
+        launch_marlin_grouped(*args, out=out)
+        stats = error_stats(out.cpu(), reference_moe(x, tw, ids, awq))
+        assert not stats.nan and stats.scaled_max_abs <= BOUND[dtype], (M, stats)
+        replayed = torch.full_like(out, float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch_marlin_grouped(*args, out=replayed)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out), M
+
+
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("config", [MarlinGroupedConfig(1, 8, 2, w2_n_splits=4, act_launch=True),
+                                    MarlinGroupedConfig(4, 2, 1, fused_combine=False, act_launch=True)], ids=str)
+def test_the_act_launch_gives_the_bits_of_w2s_own_activations(layer, M, config):
+    """The activations in a launch of their own are W2's own sums in the same order: the same
+    output bits, with the PDL chain W13 -> act -> W2 where the GPU has it."""
+    import dataclasses
+
+    awq, tensors, grouped, (E, k, K, N, G), dtype = layer
+    try:
+        config.splits(K, N)
+    except ValueError:
+        pytest.skip(f"{config} does not tile K = {K}, N = {N}")
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32).cuda()
+    tw = torch.rand(M, k, generator=gen).cuda()
+    use_pdl = torch.cuda.get_device_capability()[0] >= 9
+    outs = [launch_marlin_grouped(x, tw, ids, *tensors, N, G, grouped, c, use_pdl)
+            for c in (config, dataclasses.replace(config, act_launch=False))]
+    assert torch.equal(*outs)
 
 
 @pytest.mark.parametrize("M", [1, 5])
@@ -111,8 +170,10 @@ def test_the_co_served_op_matches_reference_and_replays_in_a_graph(layer, M):
 # padding Humming makes (W13's rows K -> 1152 and columns 2N -> 512, W2's rows N -> 256 and
 # columns K -> 1280) at G = 32
 HUMMING_LAYERS = {
-    "qwen3-30b-tp1": ((16, 8, 2048, 768, 128), [MarlinGroupedConfig(1, 8, 2), MarlinGroupedConfig(1, 8, 2, w2_n_splits=2)]),
-    "padded": ((8, 4, 1088, 192, 32), [MarlinGroupedConfig(1, 2, 1), MarlinGroupedConfig(1, 2, 1, w2_n_splits=2)]),
+    "qwen3-30b-tp1": ((16, 8, 2048, 768, 128), [MarlinGroupedConfig(1, 8, 2), MarlinGroupedConfig(1, 8, 2, w2_n_splits=2),
+                                                MarlinGroupedConfig(1, 8, 2, w2_n_splits=4, act_launch=True)]),
+    "padded": ((8, 4, 1088, 192, 32), [MarlinGroupedConfig(1, 2, 1), MarlinGroupedConfig(1, 2, 1, w2_n_splits=2),
+                                       MarlinGroupedConfig(1, 2, 1, w2_n_splits=2, act_launch=True)]),
     "qwen3.8-tp4": ((32, 10, 2560, 160, 32), [MarlinGroupedConfig(1, 8, 2)]),  # N = 160: refused
 }
 

@@ -15,10 +15,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _run_interpreted(script: str, passed: str, timeout: int) -> None:
-    """Run ``script`` beside this file under the interpreter; it must exit 0 and print ``passed``."""
+def _run_interpreted(script: str, passed: str, timeout: int, *args: str) -> None:
+    """Run ``script`` beside this file (with ``args``) under the interpreter; it must exit 0 and
+    print ``passed``."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parent))
-    result = subprocess.run([sys.executable, str(HERE / script)], env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, str(HERE / script), *args], env=env, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert passed in result.stdout
@@ -33,4 +34,8 @@ def test_kernels_match_reference_at_shape_edges_under_interpreter():
 
 
 def test_marlin_grouped_kernels_match_reference_under_interpreter():
-    _run_interpreted("interpret_marlin_check.py", "all interpreter marlin checks passed", 600)
+    _run_interpreted("interpret_marlin_check.py", "all interpreter marlin kernel checks passed", 600, "kernels")
+
+
+def test_marlin_grouped_ops_and_humming_tensors_under_interpreter():
+    _run_interpreted("interpret_marlin_check.py", "all interpreter marlin layout and op checks passed", 600, "ops")

@@ -30,13 +30,16 @@ from .. import tables
 # where decode batches live; the kernel reads an expert per routed row, so its gain ends well before 16
 COSERVE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 # w13 warps x w13 chunks x w2 warps, then "rR": R row warps per W2 column warp, "nS": W2 in S
-# programs over N / S rows each, and a trailing "s": the combine as a launch of its own. The
-# row-warp and N-split configs are there for one to few tokens, where W2 has only R x K / 128
-# programs, each walking all of N in turn (a split that does not tile a shape's N is skipped); the
-# one-warp W13s add their warps' partials in registers, not through shared memory as two or more
-# warps do
+# programs over N / S rows each, "a": the activations in a launch of their own, and a trailing
+# "s": the combine as a launch of its own. The row-warp and N-split configs are there for one to
+# few tokens, where W2 has only R x K / 128 programs, each walking all of N in turn (a split that
+# does not tile a shape's N is skipped); with "a" no W2 program reduces the K splits' partials
+# again for its own column tile (at large N they outweigh its weights; no "a" config is a
+# candidate before its GPU tests have passed); the one-warp W13s add their warps' partials in
+# registers, not through shared memory as two or more warps do
 COSERVE_CANDIDATES = ("4x4x2", "4x2x1", "4x4x1", "4x2x2", "8x2x2", "2x4x2", "4x4x4", "4x2x1s", "2x4x2r2", "2x4x2r4",
-                      "2x4x1r4", "4x4x1r4", "1x8x2", "1x4x2", "1x8x2n2", "1x8x2n4", "1x8x2n8")
+                      "2x4x1r4", "4x4x1r4", "1x8x2", "1x4x2", "1x8x2n2", "1x8x2n4", "1x8x2n8", "1x8x2n16", "1x8x4n4",
+                      "1x8x4n8")
 # the co-served kernel's output against the float64 reference, max |diff| / max |reference|: the
 # bounds the GPU tests hold the plugin's ops to (tests/test_cuda_ops.py)
 SCALED_DIFF_BOUND = {"fp16": 2e-3, "bf16": 16e-3}
@@ -44,7 +47,7 @@ SCALED_DIFF_BOUND = {"fp16": 2e-3, "bf16": 16e-3}
 # window needs tables.COSERVE_MARGIN by the step's own timing of vLLM, and two timings of vLLM's
 # kernels in one process (or two runs on one GPU) differ by far less than this gap
 COSERVE_STOP_BELOW = 0.85
-_CONFIG_TEXT = re.compile(r"(\d+)x(\d+)x(\d+)(?:r(\d+))?(?:n(\d+))?(s?)")
+_CONFIG_TEXT = re.compile(r"(\d+)x(\d+)x(\d+)(?:r(\d+))?(?:n(\d+))?(a?)(s?)")
 
 
 def parse_config(text: str):
@@ -53,11 +56,12 @@ def parse_config(text: str):
 
     match = _CONFIG_TEXT.fullmatch(text)
     if match is None:
-        raise ValueError(f"co-serving config {text!r}: expected W13WARPSxCHUNKSxW2WARPS[rROWWARPS][nNSPLITS][s], "
-                         "e.g. 2x4x2r4 or 1x8x2n4")
-    w13_warps, w13_chunks, w2_warps, row_warps, n_splits, separate = match.groups()
+        raise ValueError(f"co-serving config {text!r}: expected W13WARPSxCHUNKSxW2WARPS[rROWWARPS][nNSPLITS][a][s], "
+                         "e.g. 2x4x2r4 or 1x8x2n4a")
+    w13_warps, w13_chunks, w2_warps, row_warps, n_splits, act_launch, separate = match.groups()
     return MarlinGroupedConfig(int(w13_warps), int(w13_chunks), int(w2_warps), fused_combine=not separate,
-                               w2_row_warps=int(row_warps or 1), w2_n_splits=int(n_splits or 1))
+                               w2_row_warps=int(row_warps or 1), w2_n_splits=int(n_splits or 1),
+                               act_launch=bool(act_launch))
 
 
 def config_text(fields: dict) -> str:
@@ -65,7 +69,7 @@ def config_text(fields: dict) -> str:
     text = "x".join(str(fields.get(f, "?")) for f in ("w13_warps", "w13_chunks", "w2_warps"))
     row_warps, n_splits = fields.get("w2_row_warps", 1), fields.get("w2_n_splits", 1)
     return (text + ("" if row_warps == 1 else f"r{row_warps}") + ("" if n_splits == 1 else f"n{n_splits}")
-            + ("" if fields.get("fused_combine", True) else "s"))
+            + ("a" if fields.get("act_launch", False) else "") + ("" if fields.get("fused_combine", True) else "s"))
 
 
 def launch_entries(best: Dict[int, dict]) -> tuple:

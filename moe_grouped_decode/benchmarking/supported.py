@@ -68,7 +68,8 @@ def coserved(table: tables.MeasuredTable) -> Optional[Tuple[str, str]]:
             over = "Humming's" if humming.layout == "humming" else "Marlin's"
             served += f" (1..{humming.window[1]} over {over} tensors where vLLM picks Humming)"
     span = f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}-{max(ratios):.2f}x"
-    return served, f"{span} at {counts}"
+    reach = max(v.window[1] for v in (marlin, humming) if v.window is not None)  # the span's counts: both windows'
+    return served, f"{span} at {lo if lo == reach else f'{lo}..{reach}'}"
 
 
 def row(label: str, table: tables.MeasuredTable) -> str:

@@ -14,10 +14,12 @@ Programs::
          many of up (a tile of padding only is never read; the padded columns of the last tile
          are computed and not stored)
          -> float32 partials[s, row, 2N] (gate then up, unpadded)
+    act (a launch of its own where the config's act_launch): program (row, block of
+         ACT_LAUNCH_BLOCK units): silu(gate) * up from the partials -> act[row] (16-bit)
     W2:  program (row, column tile, N split): silu(gate) * up from the partials -> act[row]
-         (16-bit) over the split's N / N_SPLITS rows, then each of WARPS column warps takes 64
-         output columns over those rows, its ROW_WARPS warps every ROW_WARPS-th 32-row chunk
-         each, their sums added -> float32 row_out[split, row, K];
+         (16-bit) over the split's N / N_SPLITS rows (ACT_READY: the act launch wrote them), then
+         each of WARPS column warps takes 64 output columns over those rows, its ROW_WARPS warps
+         every ROW_WARPS-th 32-row chunk each, their sums added -> float32 row_out[split, row, K];
          FUSED_COMBINE: the last of a token's k x N_SPLITS programs on the tile (an int32 arrival
          counter per (token, tile)) writes the token's combined columns
     combine (a launch of its own without FUSED_COMBINE):
@@ -49,7 +51,7 @@ from .combine import combine_sums
 from .marlin_mma import (MARLIN_TILE_COLUMNS, MARLIN_TILE_WORDS, marlin_chunk_columns, marlin_chunk_rows,
                          marlin_mma_chunk, marlin_word_offsets)
 from .pdl import launch_options, let_next_launch_start, wait_for_previous_launch
-from .w2_tl import ACT_BLOCK, HELD_CHUNKS, row_activations
+from .w2_tl import ACT_BLOCK, HELD_CHUNKS, activations_tile, row_activations
 
 
 @triton.jit
@@ -182,6 +184,22 @@ def _span_activations(partials_ptr, act_ptr, row, rows, n_lo, SPAN: tl.constexpr
         tl.store(act_ptr + row * N + n, silu_mul(gate, up).to(act_ptr.dtype.element_ty), mask=inside)
 
 
+# the act launch's block of a row's N: one warp's two 16-byte loads a lane per split (one
+# float4 of gate, one of up), and at large N and few rows N / 128 programs a row spread the
+# reduction over the SMs
+ACT_LAUNCH_BLOCK = 128
+
+
+@triton.jit(do_not_specialize=["rows"])
+def marlin_act_kernel(partials_ptr, act_ptr, rows, N: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    """act[row, block's units] = silu(gate) * up from the W13 partials summed in split order from
+    zeros, stored in act's dtype: W2's own sums (``row_activations``), so the same bits."""
+    let_next_launch_start(USE_PDL)
+    wait_for_previous_launch(USE_PDL)
+    activations_tile(partials_ptr, act_ptr, tl.program_id(0), rows, tl.program_id(1) * BLOCK, N, SPLITS, BLOCK)
+
+
 @triton.jit
 def marlin_w2_kernel(
     ids_ptr, num_experts, partials_ptr,
@@ -192,11 +210,11 @@ def marlin_w2_kernel(
     WARPS: tl.constexpr, N_PAD: tl.constexpr, SCALES_GROUPED: tl.constexpr, IS_BF16: tl.constexpr,
     USE_PDL: tl.constexpr, TOP_K: tl.constexpr = 1, FUSED_COMBINE: tl.constexpr = False,
     ROW_WARPS: tl.constexpr = 1, N_SPLITS: tl.constexpr = 1, STORED_COLUMNS: tl.constexpr = 0,
-    PLAIN_ZEROS: tl.constexpr = False,
+    PLAIN_ZEROS: tl.constexpr = False, ACT_READY: tl.constexpr = False,
 ):
     """row_out[split, row, cols] = (silu(gate) * up)[row, split's rows] @ W2[topk_ids[row]][split's
     rows, cols], float32. Humming's tensors: N_P their padded N, STORED_COLUMNS their padded K,
-    PLAIN_ZEROS."""
+    PLAIN_ZEROS. ACT_READY: act holds the activations already (the previous launch wrote them)."""
     COLUMNS: tl.constexpr = STORED_COLUMNS if STORED_COLUMNS > 0 else K
     # with the combine fused, W2 is the op's last launch: what follows must not start before it ends
     let_next_launch_start(USE_PDL and not FUSED_COMBINE)
@@ -234,12 +252,13 @@ def marlin_w2_kernel(
         held += (_w2_chunk_weights(qweight_base, scales_base, qzeros_base, first_chunk + i * ROW_WARPS + row_warp,
                                    block, COLUMNS, G, PLAIN_ZEROS),)
     wait_for_previous_launch(USE_PDL)
-    if N_SPLITS > 1:
-        _span_activations(partials_ptr, act_ptr, row, rows, first_chunk * CHUNK_ROWS, SPLIT_CHUNKS * CHUNK_ROWS, N,
-                          SPLITS, min(N_PAD // N_SPLITS, ACT_BLOCK))
-    else:
-        row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
-    tl.debug_barrier()  # every thread's act stores happen before any thread reads them back
+    if not ACT_READY:
+        if N_SPLITS > 1:
+            _span_activations(partials_ptr, act_ptr, row, rows, first_chunk * CHUNK_ROWS, SPLIT_CHUNKS * CHUNK_ROWS,
+                              N, SPLITS, min(N_PAD // N_SPLITS, ACT_BLOCK))
+        else:
+            row_activations(partials_ptr, act_ptr, row, rows, N, SPLITS, N_PAD)
+        tl.debug_barrier()  # every thread's act stores happen before any thread reads them back
     acc_lo = tl.zeros([32 * LANE_WARPS, 8], dtype=tl.float32)
     acc_hi = tl.zeros([32 * LANE_WARPS, 8], dtype=tl.float32)
     for i in tl.static_range(HELD):
@@ -305,7 +324,8 @@ class MarlinGroupedConfig:
     warp (a K split is warps x chunks x 32 rows; it must divide K), W2's column warps (64 output
     columns each; 64 x warps must divide K), its row warps per column warp (each every
     ``w2_row_warps``-th 32-row chunk of its rows) and its N splits (programs that each take
-    N / ``w2_n_splits`` rows of a column tile); both powers of 2 whose product divides N / 32."""
+    N / ``w2_n_splits`` rows of a column tile); both powers of 2 whose product divides N / 32.
+    ``act_launch``: silu(gate) * up in a launch of its own (the same bits)."""
 
     w13_warps: int = 4
     w13_chunks: int = 4
@@ -313,6 +333,10 @@ class MarlinGroupedConfig:
     fused_combine: bool = True  # the last of a token's W2 programs on a tile combines it (one launch fewer)
     w2_row_warps: int = 1
     w2_n_splits: int = 1
+    # the activations in a launch of their own between W13 and W2: each row's reduced once over
+    # the K splits' partials, not once per W2 column tile (at large N and few tokens each W2
+    # program otherwise reads more partials than weights)
+    act_launch: bool = False
 
     def splits(self, hidden_size: int, intermediate_size: int) -> int:
         """W13's K splits for K = ``hidden_size``; ValueError where the config does not tile the
@@ -461,13 +485,20 @@ def _launch(x, topk_weights, topk_ids, tensors, N: int, G: int, N_p: int, scales
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl,
         ARRIVALS_PAD=triton.next_power_of_2(arrivals.numel()) if fused else 0, num_warps=config.w13_warps,
         **w13_layout)
+    if config.act_launch:
+        # PDL chain W13 -> act -> W2: each waits for the previous launch's end before reading its
+        # outputs, so W2's wait covers W13's too (the arrival counters its program 0 zeroes)
+        block = min(triton.next_power_of_2(N), ACT_LAUNCH_BLOCK)
+        marlin_act_kernel[(R, triton.cdiv(N, block))](
+            partials, act, R, N=N, SPLITS=splits, BLOCK=block, USE_PDL=use_pdl, num_warps=1,
+            **launch_options(use_pdl))
     marlin_w2_kernel[(R, w2_tiles) if n_splits == 1 else (R, w2_tiles, n_splits)](
         topk_ids, E, partials, w2_qweight, w2_scales, w2_qzeros, act, row_out, R,
         topk_weights, out, out.stride(0), arrivals,
         K=K, N=N, N_P=N_p, G=G, SPLITS=splits, WARPS=config.w2_warps, N_PAD=triton.next_power_of_2(N),
         SCALES_GROUPED=scales_grouped, IS_BF16=is_bf16, USE_PDL=use_pdl, TOP_K=top_k, FUSED_COMBINE=fused,
-        ROW_WARPS=config.w2_row_warps, N_SPLITS=n_splits, num_warps=config.w2_warps * config.w2_row_warps,
-        **w2_layout, **launch_options(use_pdl))
+        ROW_WARPS=config.w2_row_warps, N_SPLITS=n_splits, ACT_READY=config.act_launch,
+        num_warps=config.w2_warps * config.w2_row_warps, **w2_layout, **launch_options(use_pdl))
     if not fused:
         marlin_combine_kernel[(M, triton.cdiv(K, COMBINE_BLOCK))](
             row_out, topk_weights, topk_ids, E, out, out.stride(0), R, TOP_K=top_k, K=K, BLOCK_K=COMBINE_BLOCK,

@@ -41,7 +41,7 @@ ACT_BLOCK = tl.constexpr(512)
 
 
 @triton.jit
-def _activations_tile(partials_ptr, act_ptr, row, rows, n0, N: tl.constexpr, SPLITS: tl.constexpr,
+def activations_tile(partials_ptr, act_ptr, row, rows, n0, N: tl.constexpr, SPLITS: tl.constexpr,
                       BLOCK: tl.constexpr):
     n = n0 + tl.arange(0, BLOCK)
     gate = tl.zeros([BLOCK], dtype=tl.float32)
@@ -58,10 +58,10 @@ def row_activations(partials_ptr, act_ptr, row, rows, N: tl.constexpr, SPLITS: t
     """act[row] = silu(gate) * up from the W13 partials summed in split order, in float32, stored in
     act's dtype [N]."""
     if N_PAD <= ACT_BLOCK:
-        _activations_tile(partials_ptr, act_ptr, row, rows, 0, N, SPLITS, N_PAD)
+        activations_tile(partials_ptr, act_ptr, row, rows, 0, N, SPLITS, N_PAD)
     else:
         for n0 in range(0, N, ACT_BLOCK):
-            _activations_tile(partials_ptr, act_ptr, row, rows, n0, N, SPLITS, ACT_BLOCK)
+            activations_tile(partials_ptr, act_ptr, row, rows, n0, N, SPLITS, ACT_BLOCK)
 
 
 @triton.jit(do_not_specialize=["rows"])
