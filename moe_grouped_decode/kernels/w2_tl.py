@@ -42,7 +42,7 @@ ACT_BLOCK = tl.constexpr(512)
 
 @triton.jit
 def activations_tile(partials_ptr, act_ptr, row, rows, n0, N: tl.constexpr, SPLITS: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr):
     n = n0 + tl.arange(0, BLOCK)
     gate = tl.zeros([BLOCK], dtype=tl.float32)
     up = tl.zeros([BLOCK], dtype=tl.float32)
