@@ -289,25 +289,23 @@ def test_the_supported_models_row_says_where_a_shape_is_co_served():
     assert "1.10-2.00x at 1..4 |" in wider
 
 
+def launch_fields(w13_warps, w13_chunks, w2_warps, fused_combine=True, w2_row_warps=1, w2_n_splits=1,
+                  act_launch=False) -> dict:
+    """Every field of a co-served launch config, spelled out (``dataclasses.asdict`` must give these)."""
+    return dict(w13_warps=w13_warps, w13_chunks=w13_chunks, w2_warps=w2_warps, fused_combine=fused_combine,
+                w2_row_warps=w2_row_warps, w2_n_splits=w2_n_splits, act_launch=act_launch)
+
+
 @pytest.mark.parametrize("text, fields", [
-    ("2x4x2", dict(w13_warps=2, w13_chunks=4, w2_warps=2, fused_combine=True, w2_row_warps=1, w2_n_splits=1,
-                   act_launch=False)),
-    ("4x2x1s", dict(w13_warps=4, w13_chunks=2, w2_warps=1, fused_combine=False, w2_row_warps=1, w2_n_splits=1,
-                    act_launch=False)),
-    ("2x4x1r4", dict(w13_warps=2, w13_chunks=4, w2_warps=1, fused_combine=True, w2_row_warps=4, w2_n_splits=1,
-                     act_launch=False)),
-    ("8x2x2r2s", dict(w13_warps=8, w13_chunks=2, w2_warps=2, fused_combine=False, w2_row_warps=2, w2_n_splits=1,
-                      act_launch=False)),
-    ("1x8x2n4", dict(w13_warps=1, w13_chunks=8, w2_warps=2, fused_combine=True, w2_row_warps=1, w2_n_splits=4,
-                     act_launch=False)),
-    ("2x4x1r2n2s", dict(w13_warps=2, w13_chunks=4, w2_warps=1, fused_combine=False, w2_row_warps=2, w2_n_splits=2,
-                        act_launch=False)),
-    ("1x8x2n4a", dict(w13_warps=1, w13_chunks=8, w2_warps=2, fused_combine=True, w2_row_warps=1, w2_n_splits=4,
-                      act_launch=True)),
-    ("4x4x2a", dict(w13_warps=4, w13_chunks=4, w2_warps=2, fused_combine=True, w2_row_warps=1, w2_n_splits=1,
-                    act_launch=True)),
-    ("2x4x1r2n2as", dict(w13_warps=2, w13_chunks=4, w2_warps=1, fused_combine=False, w2_row_warps=2, w2_n_splits=2,
-                         act_launch=True)),
+    ("2x4x2", launch_fields(2, 4, 2)),
+    ("4x2x1s", launch_fields(4, 2, 1, fused_combine=False)),
+    ("2x4x1r4", launch_fields(2, 4, 1, w2_row_warps=4)),
+    ("8x2x2r2s", launch_fields(8, 2, 2, fused_combine=False, w2_row_warps=2)),
+    ("1x8x2n4", launch_fields(1, 8, 2, w2_n_splits=4)),
+    ("2x4x1r2n2s", launch_fields(2, 4, 1, fused_combine=False, w2_row_warps=2, w2_n_splits=2)),
+    ("1x8x2n4a", launch_fields(1, 8, 2, w2_n_splits=4, act_launch=True)),
+    ("4x4x2a", launch_fields(4, 4, 2, act_launch=True)),
+    ("2x4x1r2n2as", launch_fields(2, 4, 1, fused_combine=False, w2_row_warps=2, w2_n_splits=2, act_launch=True)),
 ])
 def test_a_co_serving_candidate_reads_and_prints_the_same(text, fields):
     from moe_grouped_decode.benchmarking.coserve import config_text, parse_config

@@ -77,16 +77,24 @@ def test_marlin_grouped_matches_reference(layer, M, config):
             launch_marlin_grouped(*args, out=out)
         assert torch.isnan(out).all()  # refused before any launch
         return
+    matches_reference_and_replays(args, x, tw, ids, awq, dtype)
+
+
+def matches_reference_and_replays(args, x, tw, ids, awq, dtype) -> None:
+    """``launch_marlin_grouped(*args)`` within the float64 reference's bound, and replayed in a CUDA
+    graph with the same bits (x, tw, ids: its CPU inputs; awq: the layer)."""
+    M, K = x.shape
+    out = torch.full((M, K), float("nan"), dtype=dtype, device="cuda")
     launch_marlin_grouped(*args, out=out)
     stats = error_stats(out.cpu(), reference_moe(x, tw, ids, awq))
-    assert not stats.nan and stats.scaled_max_abs <= BOUND[dtype], stats
+    assert not stats.nan and stats.scaled_max_abs <= BOUND[dtype], (M, stats)
     replayed = torch.full_like(out, float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launch_marlin_grouped(*args, out=replayed)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(replayed, out)
+    assert torch.equal(replayed, out), M
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -106,17 +114,7 @@ def test_many_n_splits_match_reference(config, dtype):
         ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32)
         tw = torch.rand(M, k, generator=gen)
         args = (x.cuda(), tw.cuda(), ids.cuda(), *tensors, N, G, marlin.scales_grouped, config, use_pdl)
-        out = torch.full((M, K), float("nan"), dtype=dtype, device="cuda")
-        launch_marlin_grouped(*args, out=out)
-        stats = error_stats(out.cpu(), reference_moe(x, tw, ids, awq))
-        assert not stats.nan and stats.scaled_max_abs <= BOUND[dtype], (M, stats)
-        replayed = torch.full_like(out, float("nan"))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            launch_marlin_grouped(*args, out=replayed)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, out), M
+        matches_reference_and_replays(args, x, tw, ids, awq, dtype)
 
 
 @pytest.mark.parametrize("M", [1, 8])
@@ -130,7 +128,8 @@ def test_the_act_launch_gives_the_bits_of_w2s_own_activations(layer, M, config):
     awq, tensors, grouped, (E, k, K, N, G), dtype = layer
     try:
         config.splits(K, N)
-    except ValueError:
+    except ValueError:  # qwen3.8-tp4's N = 160 in 4 N splits: no bits to compare; the refusal itself is
+        # test_marlin_grouped_matches_reference's
         pytest.skip(f"{config} does not tile K = {K}, N = {N}")
     gen = torch.Generator().manual_seed(M)
     x = torch.randn(M, K, generator=gen).to(dtype).cuda()
